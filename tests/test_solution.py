@@ -1,0 +1,216 @@
+"""Tests for solution.py: the dispatcher and validation on any machine, the
+kernel build check wherever nvcc is, and the kernels themselves on a GPU."""
+import os
+import random
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import reference
+import solution
+
+ON_CUDA = torch.cuda.is_available() and not torch.version.hip
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU (no CUDA device here)")
+
+OFFICIAL_TESTS = [
+    (4096, 1024, 256, 8, 1, 8, 9371), (7168, 2048, 32, 8, 1, 32, 2291), (4096, 1536, 64, 6, 1, 128, 81934)]
+OFFICIAL_BENCHMARKS = [
+    (7168, 256, 256, 8, 1, 16, 9371), (7168, 256, 256, 8, 1, 128, 2291), (7168, 256, 256, 8, 1, 512, 81934),
+    (7168, 512, 32, 8, 1, 16, 2291), (7168, 512, 32, 8, 1, 128, 81934), (7168, 512, 32, 8, 1, 512, 81934),
+    (7168, 2048, 32, 8, 1, 512, 81934)]
+
+
+def small_input(dhidden=512, dexpert=256, routed=8, top_k=2, shared=1, bs=7, seed=1):
+    return reference.generate_input(dhidden, dexpert, routed, top_k, shared, bs, seed)
+
+
+def with_replaced(data, index, value):
+    data = list(data)
+    data[index] = value
+    return tuple(data)
+
+
+# ---------------------------------------------------------------------------
+# Any machine
+# ---------------------------------------------------------------------------
+def test_custom_kernel_matches_reference():
+    data = small_input(dhidden=300, dexpert=200, seed=3)
+    ok, message = reference.check_implementation(data, solution.custom_kernel(data))
+    assert ok, message
+
+
+def test_zero_tokens_give_empty_output():
+    data = small_input(bs=0)
+    out = solution.custom_kernel(data)
+    assert out.shape == (0, 512) and out.dtype == torch.bfloat16
+
+
+def test_three_dimensional_scales_are_accepted():
+    data = small_input(seed=5)
+    e = data[1].shape[0]
+    data3 = with_replaced(data, 3, data[3].reshape(e, -1, data[3].shape[1]))
+    data3 = with_replaced(data3, 4, data[4].reshape(e, -1, data[4].shape[1]))
+    assert torch.equal(solution.custom_kernel(data3), solution.custom_kernel(data))
+
+
+@pytest.mark.parametrize("index, value, pattern", [
+    (0, lambda d: d[0].float(), r"hidden_states: expected dtype torch.bfloat16"),
+    (0, lambda d: d[0][:, :-1], r"hidden_states: expected \[M, 512\]"),
+    (10, lambda d: d[10].long(), r"topk_ids: expected dtype torch.int32"),
+    (9, lambda d: d[9][:, :1], r"topk_weights: expected \[7, 3\]"),
+    (2, lambda d: d[2][:, :-1], r"down_weight: expected"),
+    (3, lambda d: d[3][:-1], r"gate_up_weight_scale: expected"),
+    (11, lambda d: {k: v for k, v in d[11].items() if k != "d_expert"}, r"config: missing key 'd_expert'"),
+    (11, lambda d: {**d[11], "d_hidden_pad": 500}, r"config\['d_hidden_pad'\]: expected a positive multiple of 256"),
+    (11, lambda d: {**d[11], "total_top_k": 4}, r"config\['total_top_k'\]: 4, but topk_ids has 3 columns"),
+    (11, lambda d: [1], r"config: expected a dict"),
+])
+def test_bad_inputs_are_named(index, value, pattern):
+    data = small_input()
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        solution.custom_kernel(with_replaced(data, index, value(data)))
+
+
+def test_wrong_tuple_is_refused():
+    with pytest.raises(TypeError, match="12-tuple"):
+        solution.custom_kernel(small_input()[:11])
+
+
+@pytest.mark.parametrize("m, top_k, experts, expected", [
+    (16, 9, 257, 8), (128, 9, 257, 8), (512, 9, 257, 32), (16, 9, 33, 8), (128, 9, 33, 64), (512, 9, 33, 64),
+    (64, 9, 33, 32)])
+def test_config_chooser(m, top_k, experts, expected):
+    assert solution.choose_config(m, top_k, experts).tile_tokens == expected
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
+    """The device code alone (no torch headers) through nvcc: catches build
+    breaks on a machine without a GPU, and register spills in any kernel."""
+    source = tmp_path / "kernels.cu"
+    source.write_text(solution.KERNEL_SOURCE)
+    result = subprocess.run(
+        ["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+         "-c", str(source), "-o", str(tmp_path / "kernels.o")], capture_output=True, text=True, timeout=600)
+    report = result.stdout + result.stderr
+    print(report)
+    assert result.returncode == 0, report
+    kernels = re.findall(r"Compiling entry function '(\w+)'", report)
+    assert len(kernels) == 11, kernels   # route, quantise, convert, 4 x stage 1, 4 x stage 2
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert spills and all(s == "0" for s in spills), report
+
+
+# ---------------------------------------------------------------------------
+# GPU: the kernels against the reference
+# ---------------------------------------------------------------------------
+def poison_allocator():
+    """Fill the memory the caching allocator will hand out next with NaN, so
+    that any output element a kernel fails to write shows up."""
+    block = torch.full((64 << 20,), float("nan"), device="cuda")
+    del block
+
+
+def run_checked(data, rel_l2_bound=2e-3):
+    poison_allocator()
+    out = solution.custom_kernel(data)
+    torch.cuda.synchronize()
+    expected = reference.ref_kernel(data)
+    ok, message = reference.compare_outputs(out, expected)
+    assert ok, message
+    rel_l2 = float(re.search(r"rel_l2=(\S+)", message).group(1))
+    assert rel_l2 <= rel_l2_bound, message
+    return out
+
+
+@needs_cuda
+def test_kernels_are_used_on_cuda():
+    kind, _ = solution._backend(torch.device("cuda"))
+    assert kind == "cuda"
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", OFFICIAL_TESTS + OFFICIAL_BENCHMARKS, ids=str)
+def test_official_shapes(shape):
+    run_checked(reference.generate_input(*shape))
+
+
+def random_shapes(count=50, seed=2026):
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(count):
+        routed = rng.choice([1, 2, 3, 7, 8, 16, 32, 64, 128, 256])
+        shared = rng.choice([0, 1, 1, 2]) if routed > 1 else 1
+        top_k = rng.randint(1, min(9, routed))
+        d_hidden = rng.choice([256, 512, 768, 1024, 2048, 7168, 200, 333, 1000, 4000])
+        d_expert = rng.choice([256, 512, 1024, 100, 160, 300, 777])
+        bs = rng.choice([0, 1, 2, 7, 16, 33, 100, 256, 600])
+        # Keep the weights (and the generator's time) at the size of the official shapes or below.
+        while (routed + shared) * d_hidden * d_expert > 257 * 7168 * 512 and routed > 1:
+            routed //= 2
+            top_k = min(top_k, routed)
+        shapes.append((d_hidden, d_expert, routed, top_k, shared, bs, 1000 + i))
+    return shapes
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", random_shapes(), ids=str)
+def test_random_shapes(shape):
+    data = reference.generate_input(*shape)
+    if shape[5] == 0:
+        assert solution.custom_kernel(data).shape == (0, shape[0])
+    else:
+        run_checked(data)
+
+
+@needs_cuda
+def test_one_hot_expert_takes_every_token():
+    data = reference.generate_input(2048, 512, 32, 8, 1, 300, 7)
+    ids = data[10].clone()
+    ids[:, :-1] = 5
+    run_checked(with_replaced(data, 10, ids))
+
+
+@needs_cuda
+def test_same_expert_twice_in_a_row_counts_twice():
+    data = reference.generate_input(1024, 256, 16, 4, 1, 20, 8)
+    ids = data[10].clone()
+    ids[:, 1] = ids[:, 0]
+    run_checked(with_replaced(data, 10, ids))
+
+
+@needs_cuda
+def test_repeated_calls_agree():
+    """Stage 2 adds into an fp32 accumulator with atomics, so the summation
+    order, and at most the last bf16 bit, may change between calls."""
+    data = reference.generate_input(7168, 256, 256, 8, 1, 128, 11)
+    first = solution.custom_kernel(data).float()
+    for _ in range(5):
+        again = solution.custom_kernel(data).float()
+        assert ((again - first).abs() <= first.abs() * 2.0 ** -7 + 1e-30).all()
+
+
+@needs_cuda
+def test_out_of_range_expert_id_poisons_output():
+    data = reference.generate_input(512, 256, 8, 2, 1, 9, 12)
+    ids = data[10].clone()
+    ids[3, 0] = 99
+    out = solution.custom_kernel(with_replaced(data, 10, ids))
+    assert torch.isnan(out.float()).all()
+
+
+@needs_cuda
+def test_nan_in_hidden_states_stays_in_its_row():
+    data = reference.generate_input(1024, 256, 8, 2, 1, 16, 13)
+    hidden = data[0].clone()
+    hidden[4, 17] = float("nan")
+    data = with_replaced(data, 0, hidden)
+    out = solution.custom_kernel(data).float()
+    assert torch.isnan(out[4]).all()
+    rows = [i for i in range(16) if i != 4]
+    expected = reference.ref_kernel(data)
+    ok, message = reference.compare_outputs(out[rows].bfloat16(), expected[rows])
+    assert ok, message

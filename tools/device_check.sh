@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One device call that builds the kernels, runs the GPU tests, both harnesses
+# and the self-benchmark, and prints short tables last. Logs go to $OUT.
+#
+#   tools/device_check.sh [tests|bench|official|all]...   (default: all)
+#
+# The official gpu-mode harness runs from .official/ (git-ignored): copy
+# problems/amd_202602/moe-mxfp4/eval.py and problems/amd_202602/utils.py of
+# gpu-mode/reference-kernels there and carry the folder with the call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/moe_out}
+mkdir -p "$OUT"
+export MOE_MXFP4_CACHE_DIR="$PWD/.kernel_cache" PYTHONUNBUFFERED=1
+parts=${*:-all}
+want() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
+status=0
+step() { echo; echo "=== $1"; }
+
+step "device"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+step "build"
+python3 -c "import solution, torch; print(solution._backend(torch.device('cuda'))[0])" 2>&1 | tee "$OUT/build.log" || status=1
+so=$(ls -t .kernel_cache/*/*.so 2>/dev/null | head -1)
+if [ -n "$so" ] && command -v cuobjdump >/dev/null; then
+  echo "SASS of $so: fp8 MMA instructions per kernel"
+  cuobjdump -sass "$so" | awk '/Function :/ {f=$3} /QMMA|HMMA/ {n[f]++} END {for (k in n) print "  " n[k], k}'
+fi
+
+if want tests; then
+  step "GPU tests"
+  python3 -m pytest -q -rs tests/test_solution.py 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1
+  step "eval.py test (official tests)"
+  python3 eval.py test specs/tests.txt 2>"$OUT/eval_test.err" | tee "$OUT/eval_test.log" || status=1
+fi
+if want official; then
+  step "official gpu-mode eval.py, test mode"
+  if [ -f .official/eval.py ]; then
+    rm -rf /tmp/official && cp -r .official /tmp/official
+    cp task.py reference.py /tmp/official/ && cp solution.py /tmp/official/submission.py
+    cp specs/tests.txt /tmp/official/tests.txt
+    (cd /tmp/official && MOE_MXFP4_CACHE_DIR="$MOE_MXFP4_CACHE_DIR" POPCORN_FD=3 python3 eval.py test tests.txt 3>"$OUT/official_test.log")
+    cat "$OUT/official_test.log"
+  else
+    echo "skipped: .official/eval.py is missing"
+  fi
+fi
+if want bench; then
+  step "eval.py benchmark (official benchmarks)"
+  python3 eval.py benchmark specs/benchmarks.txt 2>"$OUT/eval_bench.err" | tee "$OUT/eval_bench.log" || status=1
+  step "self-benchmark"
+  python3 solution.py 2>"$OUT/selfbench.err" | tee "$OUT/selfbench.log" || status=1
+fi
+exit $status
