@@ -35,6 +35,7 @@ warning that says why.
 import hashlib
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -55,10 +56,10 @@ COMMON_SOURCE = r"""
 namespace moe {
 
 constexpr int kScaleBlock = 32;        // values per E8M0 scale
-constexpr int kWarps = 4;              // per GEMM CTA
-constexpr int kThreads = kWarps * 32;
+constexpr int kMaxExperts = 4096;      // routing keeps 3 ints per expert in shared memory
+constexpr int kRowWarps = 4;           // warps across a GEMM CTA's weight rows
 constexpr int kRowsPerWarp = 32;       // two m16 MMA tiles of weight rows
-constexpr int kRows = kWarps * kRowsPerWarp;
+constexpr int kRows = kRowWarps * kRowsPerWarp;
 constexpr int kStageBlocks = 8;        // scale blocks per pipeline stage: 256 values
 constexpr int kStageWeightBytes = kStageBlocks * 16;
 constexpr int kStageActBytes = kStageBlocks * 32;
@@ -92,11 +93,17 @@ __device__ __forceinline__ uint32_t fp4_high_nibbles_to_e4m3(uint32_t w) {
     return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
 }
 
-// 2^(s-127) for an E8M0 byte, times 2^12 (see e2m1_to_e4m3). Exact for
-// s < 243, i.e. any weight scale below 2^116.
-__device__ __forceinline__ float e8m0_weight_scale(uint32_t s) {
-    if (s == 255u) return __int_as_float(0x7FC00000);
-    return (s == 0u ? __int_as_float(0x00400000) : __int_as_float(s << 23)) * 4096.0f;
+// Four E8M0 weight-scale bytes to the float exponent fields of 2^(s-127) *
+// 2^12 (the 2^12 undoes e2m1_to_e4m3's 2^-6 on both operands): one saturating
+// byte add. Exact for s < 243 (weight scales below 2^116; s = 0 included);
+// s >= 243 saturates to +Inf, so out-of-range scales are loud, not wrong.
+__device__ __forceinline__ uint32_t e8m0_biased_x4(uint32_t four_scales) {
+    return __vaddus4(four_scales, 0x0C0C0C0Cu);
+}
+// Byte k (0..3) of e8m0_biased_x4's result as that float.
+template <int K>
+__device__ __forceinline__ float biased_scale_byte(uint32_t biased) {
+    return __uint_as_float(((K < 3 ? biased << (23 - 8 * K) : biased >> 1)) & 0x7F800000u);
 }
 
 // Byte position of value j (0..31) of a scale block in the activation layout
@@ -118,9 +125,17 @@ __device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* 
     const uint32_t rounded = (__float_as_uint(amax) + 0x200000u) & 0xFF800000u;
     const int exponent_field = (int)(rounded >> 23);
     const int e = exponent_field == 255 ? 127 : max(exponent_field - 129, -127);
-    const uint32_t code = e2m1_code(v * ldexpf(1.0f, -e));
+    // 2^e and 2^-e, exactly, as products of two normal powers of two: 2^-127
+    // is subnormal and has no exponent field of its own.
+    const float inv_half = __uint_as_float((uint32_t)(127 - (e >> 1)) << 23);
+    const float inv_rest = __uint_as_float((uint32_t)(127 - (e - (e >> 1))) << 23);
+    const uint32_t code = e2m1_code(v * inv_half * inv_rest);
     dst[act_byte_position(lane)] = (uint8_t)e2m1_to_e4m3(code);
-    if (lane == 0) *dst_scale = has_nan ? __int_as_float(0x7FC00000) : ldexpf(1.0f, e);
+    if (lane == 0) {
+        const float half = __uint_as_float((uint32_t)(127 + (e >> 1)) << 23);
+        const float rest = __uint_as_float((uint32_t)(127 + (e - (e >> 1))) << 23);
+        *dst_scale = has_nan ? __int_as_float(0x7FC00000) : half * rest;
+    }
 }
 
 __device__ __forceinline__ int2 warp_inclusive_scan(int2 v, int lane) {
@@ -215,22 +230,20 @@ __global__ void __launch_bounds__(1024) route_kernel(
     }
 }
 
-// Qa of the hidden states into the MMA layout, one CTA per token; the same
-// CTA zeroes the token's row of the fp32 accumulator that stage 2 adds into.
-__global__ void __launch_bounds__(256) quantize_hidden_kernel(
+// Qa of the hidden states into the MMA layout. CTA (token, y) quantises the
+// eight scale blocks [8y, 8y+8) of the token's row, one per warp, and zeroes
+// the same 256 columns of the fp32 accumulator that stage 2 adds into.
+constexpr int kQuantizeWarps = 8;
+__global__ void __launch_bounds__(kQuantizeWarps * 32) quantize_hidden_kernel(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
         uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
     const int token = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n_blocks = d_hidden_pad / kScaleBlock;
-    const __nv_bfloat16* row = hidden + (size_t)token * d_hidden;
-    for (int b = warp; b < n_blocks; b += blockDim.x >> 5) {
-        const int k = b * kScaleBlock + lane;
-        const float v = k < d_hidden ? __bfloat162float(row[k]) : 0.0f;
-        quantize_block_warp(v, lane, act + (size_t)token * d_hidden_pad + b * kScaleBlock,
-                            act_scale + (size_t)token * n_blocks + b);
-    }
-    float4* acc_row = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad);
-    for (int i = threadIdx.x; i < d_hidden_pad / 4; i += blockDim.x) acc_row[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int b = blockIdx.y * kQuantizeWarps + warp;
+    const int k = b * kScaleBlock + lane;
+    const float v = k < d_hidden ? __bfloat162float(hidden[(size_t)token * d_hidden + k]) : 0.0f;
+    quantize_block_warp(v, lane, act + (size_t)token * d_hidden_pad + b * kScaleBlock,
+                        act_scale + (size_t)token * (d_hidden_pad / kScaleBlock) + b);
+    accumulator[(size_t)token * d_hidden_pad + k] = 0.0f;
 }
 
 // fp32 accumulator to the bf16 output; all NaN if routing saw a bad expert
@@ -293,35 +306,53 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
+// A GEMM CTA: kRows weight rows x NT*8 tokens.
 template <int NT>
-struct GemmShared {
+struct GemmShape {
     static constexpr int kTokens = NT * 8;
+    // Tiles of 16+ tokens get a second group of four warps for the other half
+    // of the tokens: more warps per SM on the MMA-heavy shapes. (Splitting
+    // one-n-tile tiles' K between two groups instead measured slower.)
+    static constexpr int kTokenGroups = NT >= 2 ? 2 : 1;
+    static constexpr int kWarpTiles = NT / kTokenGroups;   // n8 tiles per warp
+    static constexpr int kWarps = kRowWarps * kTokenGroups;
+    static constexpr int kThreads = kWarps * 32;
+    static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * kWarpTiles * 8; }
     static constexpr int kWeightBytes = kRows * kWeightStride;
     static constexpr int kWeightScaleBytes = kRows * kStageBlocks;
     static constexpr int kActBytes = kTokens * kActStride;
     static constexpr int kActScaleBytes = kTokens * kStageBlocks * 4;
     static constexpr int kStageBytes = kWeightBytes + kWeightScaleBytes + kActBytes + kActScaleBytes;
-    static constexpr int kBytes = kStageBytes * kStages;
+    static constexpr int kWeightLoadsPerThread = kRows * 8 / kThreads;   // 16-byte chunks per stage
+    static constexpr int kActLoadsPerThread = (kTokens * 16 + kThreads - 1) / kThreads;
+    // Shared memory for a K of k_blocks scale blocks: as many stages as K
+    // has, up to kStages, so that short-K CTAs fit more per SM.
+    static int shared_bytes(int k_blocks) {
+        const int stages = (k_blocks + kStageBlocks - 1) / kStageBlocks;
+        return kStageBytes * (stages < kStages ? stages : kStages);
+    }
 };
 
 // acc[m-tile][n-tile][4] = sum over k_blocks scale blocks of
 //     (W block . A block) * w_scale * a_scale
-// for the kRows weight rows and NT*8 token rows this CTA owns. The weight rows
-// sit on the MMA's M side, so a handful of tokens still fills it. Per thread:
-//   weight_row[j]     byte offset, within `weight`, of local row (tid/8)+16j;
-//   weight_scale_row  byte offset, within `weight_scale`, of local row tid;
-//   act_row[j]        source row in `act` of token (tid/16)+8j, -1 if none;
+// for this warp's 32 weight rows and kWarpTiles*8 tokens. The weight rows sit
+// on the MMA's M side, so a handful of tokens still fills it. Per thread:
+//   weight_row[j]     byte offset, within `weight`, of local row tid/8 + j*kThreads/8;
+//   weight_scale_row  byte offset, within `weight_scale`, of local row tid (tid < kRows);
+//   act_row[j]        source row in `act` of token tid/16 + j*kThreads/16, -1 if none;
 //   act_scale_src     source row in `act_scale` of token tid/2, -1 if none.
 // Rows of -1 are zero-filled, so their results are finite and discarded.
 template <int NT>
 __device__ __forceinline__ void gemm_mainloop(
-        float (&acc)[2][NT][4], uint8_t* smem,
+        float (&acc)[2][GemmShape<NT>::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale,
-        const uint32_t (&weight_row)[8], uint32_t weight_scale_row,
+        const uint32_t (&weight_row)[GemmShape<NT>::kWeightLoadsPerThread], uint32_t weight_scale_row,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
-        const int (&act_row)[NT], int act_scale_src, int k_padded, int k_blocks) {
-    using S = GemmShared<NT>;
+        const int (&act_row)[GemmShape<NT>::kActLoadsPerThread], int act_scale_src, int k_padded, int k_blocks) {
+    using S = GemmShape<NT>;
+    constexpr int WT = S::kWarpTiles;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int row_warp = warp % kRowWarps, first_tile = S::first_token(warp) / 8;
     const int g = lane >> 2, t = lane & 3;
     const int n_stages = (k_blocks + kStageBlocks - 1) / kStageBlocks;
     const int scale_len = k_padded / kScaleBlock;
@@ -329,7 +360,7 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < WT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
@@ -339,15 +370,19 @@ __device__ __forceinline__ void gemm_mainloop(
         uint8_t* a_s = ws_s + S::kWeightScaleBytes;
         uint8_t* as_s = a_s + S::kActBytes;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-            cp_async_16(w_s + ((tid >> 3) + 16 * j) * kWeightStride + (tid & 7) * 16,
+        for (int j = 0; j < S::kWeightLoadsPerThread; ++j)
+            cp_async_16(w_s + ((tid >> 3) + j * (S::kThreads / 8)) * kWeightStride + (tid & 7) * 16,
                         weight + weight_row[j] + stage * kStageWeightBytes + (tid & 7) * 16, true);
-        cp_async_8(ws_s + tid * kStageBlocks, weight_scale + weight_scale_row + stage * kStageBlocks);
+        if (tid < kRows)
+            cp_async_8(ws_s + tid * kStageBlocks, weight_scale + weight_scale_row + stage * kStageBlocks);
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
-            cp_async_16(a_s + ((tid >> 4) + 8 * j) * kActStride + (tid & 15) * 16,
-                        act + (size_t)max(act_row[j], 0) * k_padded + stage * kStageActBytes + (tid & 15) * 16,
-                        act_row[j] >= 0);
+        for (int j = 0; j < S::kActLoadsPerThread; ++j) {
+            const int row = (tid >> 4) + j * (S::kThreads / 16);
+            if (row < S::kTokens)
+                cp_async_16(a_s + row * kActStride + (tid & 15) * 16,
+                            act + (size_t)max(act_row[j], 0) * k_padded + stage * kStageActBytes + (tid & 15) * 16,
+                            act_row[j] >= 0);
+        }
         if (tid < 2 * S::kTokens)
             cp_async_16(as_s + tid * 16,
                         act_scale + (size_t)max(act_scale_src, 0) * scale_len + stage * kStageBlocks + (tid & 1) * 4,
@@ -360,6 +395,16 @@ __device__ __forceinline__ void gemm_mainloop(
         const uint8_t* a_s = ws_s + S::kWeightScaleBytes;
         const float* as_s = reinterpret_cast<const float*>(a_s + S::kActBytes);
         const int n_blocks = min(kStageBlocks, k_blocks - stage * kStageBlocks);
+        // The stage's 8 scale bytes of rows g and g+8 of each m-tile, biased.
+        uint2 w_scales[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint2 raw = *reinterpret_cast<const uint2*>(
+                    ws_s + (row_warp * kRowsPerWarp + mt * 16 + g + 8 * h) * kStageBlocks);
+                w_scales[mt][h] = make_uint2(e8m0_biased_x4(raw.x), e8m0_biased_x4(raw.y));
+            }
 #pragma unroll
         for (int bp = 0; bp < kStageBlocks; bp += 2) {
             if (bp >= n_blocks) break;
@@ -370,30 +415,36 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 uint32_t w[4];
-                ldmatrix_x4(w, w_s + (warp * kRowsPerWarp + mt * 16 + (lane & 15)) * kWeightStride
+                ldmatrix_x4(w, w_s + (row_warp * kRowsPerWarp + mt * 16 + (lane & 15)) * kWeightStride
                                    + (bp + (lane >> 4)) * 16);
-                const int row = warp * kRowsPerWarp + mt * 16 + g;
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     a_op[q][mt][0] = fp4_low_nibbles_to_e4m3(w[2 * q]);
                     a_op[q][mt][1] = fp4_low_nibbles_to_e4m3(w[2 * q + 1]);
                     a_op[q][mt][2] = fp4_high_nibbles_to_e4m3(w[2 * q]);
                     a_op[q][mt][3] = fp4_high_nibbles_to_e4m3(w[2 * q + 1]);
-                    w_scale[q][mt][0] = e8m0_weight_scale(ws_s[row * kStageBlocks + bp + q]);
-                    w_scale[q][mt][1] = e8m0_weight_scale(ws_s[(row + 8) * kStageBlocks + bp + q]);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint32_t word = bp < 4 ? w_scales[mt][h].x : w_scales[mt][h].y;
+                        w_scale[q][mt][h] = (bp + q) % 4 == 0 ? biased_scale_byte<0>(word)
+                                          : (bp + q) % 4 == 1 ? biased_scale_byte<1>(word)
+                                          : (bp + q) % 4 == 2 ? biased_scale_byte<2>(word)
+                                                              : biased_scale_byte<3>(word);
+                    }
                 }
             }
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
+            for (int nt = 0; nt < WT; ++nt) {
                 // Both 16-byte halves of blocks bp and bp+1 for this n-tile's tokens.
+                const int token0 = (first_tile + nt) * 8;
                 uint32_t b[4];
-                ldmatrix_x4(b, a_s + (nt * 8 + (lane & 7)) * kActStride
+                ldmatrix_x4(b, a_s + (token0 + (lane & 7)) * kActStride
                                  + (bp + (lane >> 4)) * 32 + ((lane >> 3) & 1) * 16);
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {
                     if (bp + q >= n_blocks) break;
-                    const float x0 = as_s[(nt * 8 + 2 * t) * kStageBlocks + bp + q];
-                    const float x1 = as_s[(nt * 8 + 2 * t + 1) * kStageBlocks + bp + q];
+                    const float x0 = as_s[(token0 + 2 * t) * kStageBlocks + bp + q];
+                    const float x1 = as_s[(token0 + 2 * t + 1) * kStageBlocks + bp + q];
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
                         float d[4];
@@ -408,6 +459,9 @@ __device__ __forceinline__ void gemm_mainloop(
         }
     };
 
+    // kStages-deep cp.async pipeline. When K has fewer stages than that, the
+    // prologue loads all of them and no slot beyond n_stages is touched, so
+    // shared_bytes() may allocate just n_stages slots.
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
         if (s < n_stages) load_stage(s, s);
@@ -448,44 +502,45 @@ __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const i
 STAGE1_SOURCE = r"""
 namespace moe {
 
-constexpr int kStage1Columns = kWarps * 16;  // intermediate columns per CTA
+constexpr int kStage1Columns = kRowWarps * 16;  // intermediate columns per CTA
 constexpr int kStage1HStride = kStage1Columns + 4;
 
 // CTA (tile, blockIdx.y): intermediate columns [64*y, 64*y+64) of the tile's
-// rows. Each warp owns 16 columns: its m-tile 0 holds their gate rows and
+// rows. Each row warp owns 16 columns: its m-tile 0 holds their gate rows and
 // m-tile 1 the matching up rows, so SwiGLU needs no data exchange.
 template <int NT>
-__global__ void __launch_bounds__(kThreads) stage1_kernel(
+__global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage1_kernel(
         const uint8_t* __restrict__ gate_up_weight, const uint8_t* __restrict__ gate_up_scale,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
         const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int top_k, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad,
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale) {
+    using S = GemmShape<NT>;
     extern __shared__ __align__(16) uint8_t smem[];
-    constexpr int kTokens = NT * 8;
     Tile tile;
-    if (!load_tile(tile, tiles, num_tiles, expert_offsets, kTokens)) return;
+    if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int col0 = blockIdx.y * kStage1Columns;
     const size_t expert_rows = 2 * (size_t)d_expert_pad;
     const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2);
     const uint8_t* scale = gate_up_scale + tile.expert * expert_rows * (d_hidden_pad / kScaleBlock);
-    // Local row r: warp r/32, m-tile (r/16)%2 (0 gate, 1 up), row r%16.
+    // Local row r: row warp r/32, m-tile (r/16)%2 (0 gate, 1 up), row r%16.
     auto weight_row_index = [&](int r) {
         return ((r >> 4) & 1) * d_expert_pad + col0 + (r >> 5) * 16 + (r & 15);
     };
-    uint32_t weight_row[8];
+    uint32_t weight_row[S::kWeightLoadsPerThread];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) weight_row[j] = weight_row_index((tid >> 3) + 16 * j) * (uint32_t)(d_hidden_pad / 2);
-    const uint32_t weight_scale_row = weight_row_index(tid) * (uint32_t)(d_hidden_pad / kScaleBlock);
+    for (int j = 0; j < S::kWeightLoadsPerThread; ++j)
+        weight_row[j] = weight_row_index((tid >> 3) + j * (S::kThreads / 8)) * (uint32_t)(d_hidden_pad / 2);
+    const uint32_t weight_scale_row = weight_row_index(tid % kRows) * (uint32_t)(d_hidden_pad / kScaleBlock);
     auto token_of = [&](int i) { return i < tile.rows ? sorted_pairs[tile.row_start + i] / top_k : -1; };
-    int act_row[NT];
+    int act_row[S::kActLoadsPerThread];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) act_row[j] = token_of((tid >> 4) + 8 * j);
-    const int act_scale_src = tid < 2 * kTokens ? token_of(tid >> 1) : -1;
+    for (int j = 0; j < S::kActLoadsPerThread; ++j) act_row[j] = token_of((tid >> 4) + j * (S::kThreads / 16));
+    const int act_scale_src = tid < 2 * S::kTokens ? token_of(tid >> 1) : -1;
 
-    float acc[2][NT][4];
+    float acc[2][S::kWarpTiles][4];
     gemm_mainloop<NT>(acc, smem, weight, scale, weight_row, weight_scale_row, act, act_scale,
                       act_row, act_scale_src, d_hidden_pad, (d_hidden + kScaleBlock - 1) / kScaleBlock);
 
@@ -493,12 +548,13 @@ __global__ void __launch_bounds__(kThreads) stage1_kernel(
     // 32-column block, which spans two warps: go through shared memory.
     float* h = reinterpret_cast<float*>(smem);
     const int g = lane >> 2, t = lane & 3;
+    const int row_warp = warp % kRowWarps, first_token = S::first_token(warp);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < S::kWarpTiles; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int local_col = warp * 16 + g + (i >> 1) * 8;
-            const int token = nt * 8 + 2 * t + (i & 1);
+            const int local_col = row_warp * 16 + g + (i >> 1) * 8;
+            const int token = first_token + nt * 8 + 2 * t + (i & 1);
             const float gate = acc[0][nt][i], up = acc[1][nt][i];
             const float value = gate / (1.0f + expf(-gate)) * up;
             h[token * kStage1HStride + local_col] =
@@ -506,7 +562,7 @@ __global__ void __launch_bounds__(kThreads) stage1_kernel(
         }
     __syncthreads();
     const int scale_len = d_expert_pad / kScaleBlock;
-    for (int item = warp; item < tile.rows * 2; item += kWarps) {
+    for (int item = warp; item < tile.rows * 2; item += S::kWarps) {
         const int token = item >> 1, block = item & 1;
         const size_t row = tile.row_start + token;
         quantize_block_warp(h[token * kStage1HStride + block * 32 + lane], lane,
@@ -539,47 +595,49 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
 // accumulator. Rows are transposed through shared memory so that each add
 // covers four consecutive columns of one token.
 template <int NT>
-__global__ void __launch_bounds__(kThreads) stage2_kernel(
+__global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
         const uint8_t* __restrict__ inter, const float* __restrict__ inter_scale,
         const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         const float* __restrict__ topk_weights, int top_k,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator) {
+    using S = GemmShape<NT>;
     extern __shared__ __align__(16) uint8_t smem[];
-    constexpr int kTokens = NT * 8;
     Tile tile;
-    if (!load_tile(tile, tiles, num_tiles, expert_offsets, kTokens)) return;
+    if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int row0 = blockIdx.y * kRows;
     const uint8_t* weight = down_weight + tile.expert * (size_t)d_hidden_pad * (d_expert_pad / 2);
     const uint8_t* scale = down_scale + tile.expert * (size_t)d_hidden_pad * (d_expert_pad / kScaleBlock);
-    uint32_t weight_row[8];
+    uint32_t weight_row[S::kWeightLoadsPerThread];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) weight_row[j] = (row0 + (tid >> 3) + 16 * j) * (uint32_t)(d_expert_pad / 2);
-    const uint32_t weight_scale_row = (row0 + tid) * (uint32_t)(d_expert_pad / kScaleBlock);
+    for (int j = 0; j < S::kWeightLoadsPerThread; ++j)
+        weight_row[j] = (row0 + (tid >> 3) + j * (S::kThreads / 8)) * (uint32_t)(d_expert_pad / 2);
+    const uint32_t weight_scale_row = (row0 + tid % kRows) * (uint32_t)(d_expert_pad / kScaleBlock);
     auto row_of = [&](int i) { return i < tile.rows ? tile.row_start + i : -1; };
-    int act_row[NT];
+    int act_row[S::kActLoadsPerThread];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) act_row[j] = row_of((tid >> 4) + 8 * j);
-    const int act_scale_src = tid < 2 * kTokens ? row_of(tid >> 1) : -1;
+    for (int j = 0; j < S::kActLoadsPerThread; ++j) act_row[j] = row_of((tid >> 4) + j * (S::kThreads / 16));
+    const int act_scale_src = tid < 2 * S::kTokens ? row_of(tid >> 1) : -1;
 
-    float acc[2][NT][4];
+    float acc[2][S::kWarpTiles][4];
     gemm_mainloop<NT>(acc, smem, weight, scale, weight_row, weight_scale_row, inter, inter_scale,
                       act_row, act_scale_src, d_expert_pad, (d_expert + kScaleBlock - 1) / kScaleBlock);
 
     float* y = reinterpret_cast<float*>(smem);
     const int g = lane >> 2, t = lane & 3;
+    const int row_warp = warp % kRowWarps, first_token = S::first_token(warp);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < S::kWarpTiles; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + warp * kRowsPerWarp + mt * 16 + g + (i >> 1) * 8] =
-                    acc[mt][nt][i];
+                y[(first_token + nt * 8 + 2 * t + (i & 1)) * kStage2YStride
+                  + row_warp * kRowsPerWarp + mt * 16 + g + (i >> 1) * 8] = acc[mt][nt][i];
     __syncthreads();
-    for (int item = tid; item < tile.rows * (kRows / 4); item += kThreads) {
+    for (int item = tid; item < tile.rows * (kRows / 4); item += S::kThreads) {
         const int token = item / (kRows / 4), quad = item % (kRows / 4);
         const int col = row0 + quad * 4;
         if (col >= d_hidden) continue;
@@ -622,24 +680,25 @@ HOST_SOURCE = r"""
 #include <c10/cuda/CUDAGuard.h>
 #include <mutex>
 #include <set>
-#include <tuple>
 
 namespace moe {
 
 #define MOE_CUDA_CHECK(expr) do { cudaError_t err_ = (expr); \
     TORCH_CHECK(err_ == cudaSuccess, "moe_mxfp4: ", #expr, ": ", cudaGetErrorString(err_)); } while (0)
 
-// Raise a kernel's dynamic shared-memory limit, once per kernel and device.
+// Raise a kernel's dynamic shared-memory limit to the most any launch of it
+// uses, once per kernel and device (a lower limit set later would break the
+// launches that need more).
 template <typename Kernel>
-void allow_shared_memory(Kernel kernel, int bytes) {
+void allow_shared_memory(Kernel kernel, int max_bytes) {
     static std::mutex mutex;
-    static std::set<std::tuple<const void*, int, int>> done;
+    static std::set<std::pair<const void*, int>> done;
     int device = 0;
     MOE_CUDA_CHECK(cudaGetDevice(&device));
-    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, bytes);
+    const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
     std::lock_guard<std::mutex> lock(mutex);
     if (done.count(key)) return;
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_bytes));
     done.insert(key);
 }
 
@@ -650,18 +709,20 @@ void launch_gemms(cudaStream_t stream, int max_tiles, const torch::Tensor& gate_
                   const int* sorted_pairs, const int* expert_offsets, const int2* tiles, const int* num_tiles,
                   const torch::Tensor& topk_weights, int top_k, int d_hidden, int d_hidden_pad, int d_expert,
                   int d_expert_pad, torch::Tensor& inter, torch::Tensor& inter_scale, torch::Tensor& accumulator) {
-    const int smem = GemmShared<NT>::kBytes;
-    allow_shared_memory(stage1_kernel<NT>, smem);
-    allow_shared_memory(stage2_kernel<NT>, smem);
+    using S = GemmShape<NT>;
+    const int smem1 = S::shared_bytes((d_hidden + kScaleBlock - 1) / kScaleBlock);
+    const int smem2 = S::shared_bytes((d_expert + kScaleBlock - 1) / kScaleBlock);
+    allow_shared_memory(stage1_kernel<NT>, S::kStageBytes * kStages);
+    allow_shared_memory(stage2_kernel<NT>, S::kStageBytes * kStages);
     const dim3 grid1(max_tiles, (d_expert + kStage1Columns - 1) / kStage1Columns);
-    stage1_kernel<NT><<<grid1, kThreads, smem, stream>>>(
+    stage1_kernel<NT><<<grid1, S::kThreads, smem1, stream>>>(
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
         act.data_ptr<uint8_t>(), act_scale.data_ptr<float>(), sorted_pairs, expert_offsets, tiles, num_tiles,
         top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad,
         inter.data_ptr<uint8_t>(), inter_scale.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
     const dim3 grid2(max_tiles, (d_hidden + kRows - 1) / kRows);
-    stage2_kernel<NT><<<grid2, kThreads, smem, stream>>>(
+    stage2_kernel<NT><<<grid2, S::kThreads, smem2, stream>>>(
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         inter.data_ptr<uint8_t>(), inter_scale.data_ptr<float>(), sorted_pairs, expert_offsets, tiles, num_tiles,
         topk_weights.data_ptr<float>(), top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad,
@@ -708,12 +769,13 @@ std::vector<torch::Tensor> moe_forward(
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
-    if (route_smem > 48 * 1024) allow_shared_memory(route_kernel, route_smem);
+    TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
+    allow_shared_memory(route_kernel, 3 * kMaxExperts * (int)sizeof(int));
     route_kernel<<<1, 1024, route_smem, stream>>>(
         topk_ids.data_ptr<int>(), num_pairs, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_pairs, bad_ids.data_ptr<int>());
     MOE_CUDA_CHECK(cudaGetLastError());
-    quantize_hidden_kernel<<<m, 256, 0, stream>>>(
+    quantize_hidden_kernel<<<dim3(m, d_hidden_pad / (kQuantizeWarps * kScaleBlock)), kQuantizeWarps * 32, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(hidden_states.data_ptr<at::BFloat16>()), (int)d_hidden,
         d_hidden_pad, act.data_ptr<uint8_t>(), act_scale.data_ptr<float>(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
@@ -753,7 +815,7 @@ std::vector<torch::Tensor> moe_forward(
 # ===========================================================================
 CACHE_DIR_ENV = "MOE_MXFP4_CACHE_DIR"   # overrides the kernel cache directory
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
-MAX_EXPERTS = 4096                      # the routing kernel keeps 3 ints per expert in shared memory
+MAX_EXPERTS = int(re.search(r"kMaxExperts = (\d+);", COMMON_SOURCE).group(1))
 
 
 def _cuda_arch() -> Optional[str]:

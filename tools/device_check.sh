@@ -2,7 +2,8 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|bench|official|all]...   (default: all)
+#   tools/device_check.sh [tests|official|profile|selfbench|bench|all]...   (default: all)
+#   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone)
 #
 # The official gpu-mode harness runs from .official/ (git-ignored): copy
 # problems/amd_202602/moe-mxfp4/eval.py and problems/amd_202602/utils.py of
@@ -31,7 +32,7 @@ fi
 
 if want tests; then
   step "GPU tests"
-  python3 -m pytest -q -rs tests/test_solution.py 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1
+  python3 -m pytest -q -rfs --tb=short tests/test_solution.py 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1
   step "eval.py test (official tests)"
   python3 eval.py test specs/tests.txt 2>"$OUT/eval_test.err" | tee "$OUT/eval_test.log" || status=1
 fi
@@ -50,6 +51,12 @@ fi
 if want bench; then
   step "eval.py benchmark (official benchmarks)"
   python3 eval.py benchmark specs/benchmarks.txt 2>"$OUT/eval_bench.err" | tee "$OUT/eval_bench.log" || status=1
+fi
+if want profile; then
+  step "per-kernel times"
+  python3 tools/profile_kernels.py 3 2>"$OUT/profile.err" | tee "$OUT/profile.log" || status=1
+fi
+if want bench || want selfbench; then
   step "self-benchmark"
   python3 solution.py 2>"$OUT/selfbench.err" | tee "$OUT/selfbench.log" || status=1
 fi
