@@ -885,15 +885,17 @@ class KernelConfig(NamedTuple):
     tile_tokens: int   # token rows per GEMM tile: 8, 16, 32 or 64
 
 
-def choose_config(m: int, top_k: int, n_experts: int) -> KernelConfig:
-    """Tile shape for a call. Tiles hold one expert's tokens, so the tile
-    should match the typical tokens per expert: larger tiles waste MMA work
-    on experts with few tokens, smaller ones re-read weights more often."""
+def choose_config(m: int, top_k: int, n_experts: int, d_expert: int) -> KernelConfig:
+    """Tile shape for a call, from measurements (BENCHMARKS.md, the tile
+    sweep of tools/profile_kernels.py). Tiles hold one expert's tokens. Small
+    tiles won everywhere up to 64 tokens per expert: re-reading an expert's
+    weights for each tile mostly hits L2, while big tiles waste MMA work on
+    the many experts with few tokens. Past that, larger tiles cut the re-reads,
+    the more so the larger the expert."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
-    for tile_tokens in (8, 16, 32):
-        if tokens_per_expert <= tile_tokens:
-            return KernelConfig(tile_tokens)
-    return KernelConfig(64)
+    if tokens_per_expert <= 64:
+        return KernelConfig(8)
+    return KernelConfig(32 if d_expert <= 512 else 64)
 
 
 _backend_cache = {}
@@ -996,15 +998,17 @@ def validate_inputs(data: input_t) -> None:
                          f"{topk_ids.shape[1]} columns")
 
 
-def _run_kernels(module, data: input_t) -> output_t:
+def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = None) -> output_t:
     (hidden_states, gate_up_weight, down_weight, gate_up_scale, down_scale,
      _, _, _, _, topk_weights, topk_ids, config) = data
-    config_ = choose_config(hidden_states.shape[0], topk_ids.shape[1], gate_up_weight.shape[0])
-    as_bytes = lambda t: t.contiguous().view(torch.uint8)
+    if kernel_config is None:
+        kernel_config = choose_config(hidden_states.shape[0], topk_ids.shape[1], gate_up_weight.shape[0],
+                                      config["d_expert"])
+    as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
     out, _bad_ids = module.moe_forward(
         hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
         as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
-        config["d_hidden"], config["d_expert"], config_.tile_tokens)
+        config["d_hidden"], config["d_expert"], kernel_config.tile_tokens)
     return out
 
 
@@ -1023,6 +1027,11 @@ def _run_aiter(fused_moe, data: input_t) -> output_t:
 def _run_torch(data: input_t) -> output_t:
     # The a4w4 math lives once, in this project's reference.py (beside this file).
     from reference import moe_a4w4_torch
+    topk_ids, n_experts = data[10], data[1].shape[0]
+    if topk_ids.device.type == "cpu" and topk_ids.numel() and not (
+            0 <= int(topk_ids.min()) and int(topk_ids.max()) < n_experts):
+        raise ValueError(f"topk_ids: expert ids must lie in [0, {n_experts}), got "
+                         f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
     return moe_a4w4_torch(data)
 
 

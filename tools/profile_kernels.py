@@ -1,9 +1,11 @@
-"""Per-kernel device time of custom_kernel on the official benchmark shapes.
+"""Where a call's time goes, on the official benchmark shapes.
 
-    python tools/profile_kernels.py [repeats]
+    python tools/profile_kernels.py [repeats]   per-kernel device time per call
+    python tools/profile_kernels.py --sweep     each tile size the chooser can pick, timed
 
-Runs each shape under torch.profiler and prints the mean time of every
-kernel per call, to show where a call's time goes.
+The per-kernel view runs each shape under torch.profiler. The sweep times
+every tile_tokens for every shape (median of event-timed calls after an L2
+flush, as eval.py times), to check the config chooser against measurements.
 """
 import os
 import sys
@@ -13,30 +15,54 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import eval as harness  # noqa: E402
 import reference  # noqa: E402
 import solution  # noqa: E402
 
 
-def main() -> None:
-    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+def benchmark_inputs():
     for bs, routed, d_expert, seed, _ in solution.BENCHMARK_SHAPES:
-        data = reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K,
-                                        solution.N_SHARED, bs, seed)
+        label = f"bs={bs} E={routed + solution.N_SHARED} d_expert={d_expert}"
+        yield label, reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K,
+                                              solution.N_SHARED, bs, seed)
+
+
+def per_kernel(repeats: int) -> None:
+    for label, data in benchmark_inputs():
         solution.custom_kernel(data)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(repeats):
                 solution.custom_kernel(data)
             torch.cuda.synchronize()
-        per_kernel = defaultdict(float)
+        times = defaultdict(float)
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
-                per_kernel[event.name.split("(")[0].split("<")[0][-40:]] += event.device_time / repeats
-        total = sum(per_kernel.values())
-        parts = ", ".join(f"{name} {us:.1f}" for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]))
-        print(f"bs={bs} E={routed + 1} d_expert={d_expert}: {total:.1f} us = {parts}", flush=True)
-        del data
+                times[event.name.split("(")[0].split("<")[0][-40:]] += event.device_time / repeats
+        parts = ", ".join(f"{name} {us:.1f}" for name, us in sorted(times.items(), key=lambda kv: -kv[1]))
+        print(f"{label}: {sum(times.values()):.1f} us = {parts}", flush=True)
+
+
+def sweep() -> None:
+    module = solution._backend(torch.device("cuda"))[1]
+    timer = harness.cuda_timer()
+    tiles = (8, 16, 32, 64)
+    print(f"{'shape':<30}" + "".join(f"{'tile ' + str(t):>10}" for t in tiles) + "   chosen")
+    for label, data in benchmark_inputs():
+        m, top_k, n_experts = data[0].shape[0], data[10].shape[1], data[1].shape[0]
+        row = []
+        for tile in tiles:
+            config = solution.KernelConfig(tile)
+            call = lambda d: solution._run_kernels(module, d, config)  # noqa: E731
+            call(data)
+            times = sorted(timer.time_call(call, data)[1] / 1e3 for _ in range(15))
+            row.append(times[len(times) // 2])
+        chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"]).tile_tokens
+        print(f"{label:<30}" + "".join(f"{us:10.1f}" for us in row) + f"   {chosen}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--sweep"]:
+        sweep()
+    else:
+        per_kernel(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
