@@ -16,9 +16,9 @@ runs five kernels, built on first use with torch's load_inline and cached:
   convert      fp32 accumulator to the bf16 output.
 
 Both GEMMs read the raw (unshuffled) weights: each 16-byte run of a raw row is
-one 32-value scale block, which is exactly what one k32 fp8 MMA consumes, so
-the raw layout already streams at full width; AITER's shuffled layout serves
-its CK kernels' register layout, not ours.
+one 32-value scale block, exactly what one k32 fp8 MMA consumes, so 16-byte
+copies of raw rows feed the MMAs directly; AITER's shuffled layout serves its
+CK kernels' register layout, not ours.
 
 Exactness. E2M1 values are exact in FP8 E4M3, and a 32-term dot product of
 E2M1 x E2M1 values is exact in fp32, so each MMA over one scale block gives the
@@ -227,36 +227,6 @@ __global__ void __launch_bounds__(1024) route_kernel(
     for (int p = tid; p < num_pairs; p += blockDim.x) {
         const int e = topk_ids[p];
         if ((unsigned)e < (unsigned)n_experts) sorted_pairs[atomicAdd(&cursor[e], 1)] = p;
-    }
-}
-
-// Qa of the hidden states into the MMA layout. CTA (token, y) quantises the
-// eight scale blocks [8y, 8y+8) of the token's row, one per warp, and zeroes
-// the same 256 columns of the fp32 accumulator that stage 2 adds into.
-constexpr int kQuantizeWarps = 8;
-__global__ void __launch_bounds__(kQuantizeWarps * 32) quantize_hidden_kernel(
-        const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
-        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
-    const int token = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int b = blockIdx.y * kQuantizeWarps + warp;
-    const int k = b * kScaleBlock + lane;
-    const float v = k < d_hidden ? __bfloat162float(hidden[(size_t)token * d_hidden + k]) : 0.0f;
-    quantize_block_warp(v, lane, act + (size_t)token * d_hidden_pad + b * kScaleBlock,
-                        act_scale + (size_t)token * (d_hidden_pad / kScaleBlock) + b);
-    accumulator[(size_t)token * d_hidden_pad + k] = 0.0f;
-}
-
-// fp32 accumulator to the bf16 output; all NaN if routing saw a bad expert
-// id, so that a bad call is loud without a host synchronisation.
-__global__ void convert_output_kernel(const float* __restrict__ accumulator, int d_hidden_pad,
-                                      __nv_bfloat16* __restrict__ out, int d_hidden, int m,
-                                      const int* __restrict__ bad_ids) {
-    const bool poisoned = *bad_ids != 0;
-    const size_t total = (size_t)m * d_hidden;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t token = i / d_hidden, col = i - token * d_hidden;
-        const float v = accumulator[token * d_hidden_pad + col];
-        out[i] = __float2bfloat16_rn(poisoned ? __int_as_float(0x7FC00000) : v);
     }
 }
 
@@ -497,10 +467,26 @@ __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const i
 """
 
 # ===========================================================================
-# Kernel source: stage 1 (gate/up GEMM + SwiGLU + Qa of the intermediate)
+# Kernel source: stage 1 (Qa of the hidden states; gate/up GEMM + SwiGLU + Qa)
 # ===========================================================================
 STAGE1_SOURCE = r"""
 namespace moe {
+
+// Qa of the hidden states into the MMA layout. CTA (token, y) quantises the
+// eight scale blocks [8y, 8y+8) of the token's row, one per warp, and zeroes
+// the same 256 columns of the fp32 accumulator that stage 2 adds into.
+constexpr int kQuantizeWarps = 8;
+__global__ void __launch_bounds__(kQuantizeWarps * 32) quantize_hidden_kernel(
+        const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
+        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
+    const int token = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int b = blockIdx.y * kQuantizeWarps + warp;
+    const int k = b * kScaleBlock + lane;
+    const float v = k < d_hidden ? __bfloat162float(hidden[(size_t)token * d_hidden + k]) : 0.0f;
+    quantize_block_warp(v, lane, act + (size_t)token * d_hidden_pad + b * kScaleBlock,
+                        act_scale + (size_t)token * (d_hidden_pad / kScaleBlock) + b);
+    accumulator[(size_t)token * d_hidden_pad + k] = 0.0f;
+}
 
 constexpr int kStage1Columns = kRowWarps * 16;  // intermediate columns per CTA
 constexpr int kStage1HStride = kStage1Columns + 4;
@@ -575,7 +561,7 @@ __global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage1_kernel(
 """
 
 # ===========================================================================
-# Kernel source: stage 2 (down GEMM + weighted accumulation)
+# Kernel source: stage 2 (down GEMM + weighted accumulation; bf16 output)
 # ===========================================================================
 STAGE2_SOURCE = r"""
 namespace moe {
@@ -646,6 +632,20 @@ __global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage2_kernel(
         const float* src = y + token * kStage2YStride + quad * 4;
         atomic_add_float4(accumulator + (size_t)(pair / top_k) * d_hidden_pad + col,
                           make_float4(w * src[0], w * src[1], w * src[2], w * src[3]));
+    }
+}
+
+// fp32 accumulator to the bf16 output; all NaN if routing saw a bad expert
+// id, so that a bad call is loud without a host synchronisation.
+__global__ void convert_output_kernel(const float* __restrict__ accumulator, int d_hidden_pad,
+                                      __nv_bfloat16* __restrict__ out, int d_hidden, int m,
+                                      const int* __restrict__ bad_ids) {
+    const bool poisoned = *bad_ids != 0;
+    const size_t total = (size_t)m * d_hidden;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t token = i / d_hidden, col = i - token * d_hidden;
+        const float v = accumulator[token * d_hidden_pad + col];
+        out[i] = __float2bfloat16_rn(poisoned ? __int_as_float(0x7FC00000) : v);
     }
 }
 
@@ -734,14 +734,15 @@ void launch_gemms(cudaStream_t stream, int max_tiles, const torch::Tensor& gate_
 
 // Inputs are byte views (uint8) of the raw fp4x2 weights and e8m0 scales,
 // already validated by the Python dispatcher. Returns the [M, d_hidden] bf16
-// output and a one-element int32 count of expert ids outside [0, E), which
-// the convert kernel also turns into an all-NaN output, so that bad routing is
-// never silently wrong and no host synchronisation is needed.
-std::vector<torch::Tensor> moe_forward(
+// output, all NaN if any expert id lies outside [0, E): bad routing is never
+// silently wrong, and no host synchronisation is needed to say so.
+torch::Tensor moe_forward(
         torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens) {
     using namespace moe;
+    TORCH_CHECK(tile_tokens == 8 || tile_tokens == 16 || tile_tokens == 32 || tile_tokens == 64,
+                "moe_mxfp4: tile_tokens must be 8, 16, 32 or 64, got ", tile_tokens);
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -750,7 +751,7 @@ std::vector<torch::Tensor> moe_forward(
     const auto int_opts = hidden_states.options().dtype(torch::kInt32);
     const auto float_opts = hidden_states.options().dtype(torch::kFloat32);
     auto out = torch::empty({m, d_hidden}, hidden_states.options());
-    if (m == 0) return {out, torch::zeros({1}, int_opts)};
+    if (m == 0) return out;
 
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // Tiles: at most one partial tile per expert that has any pair.
@@ -761,7 +762,7 @@ std::vector<torch::Tensor> moe_forward(
     int* num_tiles = reinterpret_cast<int*>(tiles + max_tiles);
     int* expert_offsets = num_tiles + 1;
     int* sorted_pairs = expert_offsets + n_experts + 1;
-    auto bad_ids = routing.narrow(0, routing.numel() - 1, 1);
+    int* bad_ids = sorted_pairs + num_pairs;
     auto act = torch::empty({m, d_hidden_pad}, byte_opts);
     auto act_scale = torch::empty({m, d_hidden_pad / kScaleBlock}, float_opts);
     auto inter = torch::empty({num_pairs, d_expert_pad}, byte_opts);
@@ -773,7 +774,7 @@ std::vector<torch::Tensor> moe_forward(
     allow_shared_memory(route_kernel, 3 * kMaxExperts * (int)sizeof(int));
     route_kernel<<<1, 1024, route_smem, stream>>>(
         topk_ids.data_ptr<int>(), num_pairs, n_experts, (int)tile_tokens,
-        expert_offsets, tiles, num_tiles, sorted_pairs, bad_ids.data_ptr<int>());
+        expert_offsets, tiles, num_tiles, sorted_pairs, bad_ids);
     MOE_CUDA_CHECK(cudaGetLastError());
     quantize_hidden_kernel<<<dim3(m, d_hidden_pad / (kQuantizeWarps * kScaleBlock)), kQuantizeWarps * 32, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(hidden_states.data_ptr<at::BFloat16>()), (int)d_hidden,
@@ -787,8 +788,7 @@ std::vector<torch::Tensor> moe_forward(
         case 8: MOE_LAUNCH(1); break;
         case 16: MOE_LAUNCH(2); break;
         case 32: MOE_LAUNCH(4); break;
-        case 64: MOE_LAUNCH(8); break;
-        default: TORCH_CHECK(false, "moe_mxfp4: tile_tokens must be 8, 16, 32 or 64, got ", tile_tokens);
+        default: MOE_LAUNCH(8); break;
     }
 #undef MOE_LAUNCH
 
@@ -797,14 +797,14 @@ std::vector<torch::Tensor> moe_forward(
     convert_output_kernel<<<blocks, threads, 0, stream>>>(
         accumulator.data_ptr<float>(), d_hidden_pad,
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>()), (int)d_hidden, m,
-        bad_ids.data_ptr<int>());
+        bad_ids);
     MOE_CUDA_CHECK(cudaGetLastError());
-    return {out, bad_ids};
+    return out;
 }
 """
 
 HOST_DECLARATION = """
-std::vector<torch::Tensor> moe_forward(
+torch::Tensor moe_forward(
     torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens);
@@ -1005,11 +1005,10 @@ def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = 
         kernel_config = choose_config(hidden_states.shape[0], topk_ids.shape[1], gate_up_weight.shape[0],
                                       config["d_expert"])
     as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
-    out, _bad_ids = module.moe_forward(
+    return module.moe_forward(
         hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
         as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
         config["d_hidden"], config["d_expert"], kernel_config.tile_tokens)
-    return out
 
 
 def _run_aiter(fused_moe, data: input_t) -> output_t:
