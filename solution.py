@@ -818,9 +818,9 @@ NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 MAX_EXPERTS = int(re.search(r"kMaxExperts = (\d+);", COMMON_SOURCE).group(1))
 
 
-def _cuda_arch() -> Optional[str]:
-    """TORCH_CUDA_ARCH_LIST entry for the current GPU, or None without fp8 MMA (before sm_89)."""
-    major, minor = torch.cuda.get_device_capability()
+def _cuda_arch(capability) -> Optional[str]:
+    """TORCH_CUDA_ARCH_LIST entry for a compute capability, or None without fp8 MMA (before sm_89)."""
+    major, minor = capability
     if (major, minor) < (8, 9):
         return None
     return "9.0a" if major == 9 else f"{major}.{minor}"
@@ -842,37 +842,61 @@ def _writable_dir(path: str) -> str:
         probe.close()
         return path
     except OSError:
-        fallback = os.path.join(tempfile.gettempdir(), f"moe_mxfp4-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+        user = os.getuid() if hasattr(os, "getuid") else "user"
+        fallback = os.path.join(tempfile.gettempdir(), f"moe_mxfp4-{user}", os.path.basename(path))
         os.makedirs(fallback, exist_ok=True)
         print(f"moe_mxfp4: cache directory {path} is not writable; using {fallback}", file=sys.stderr)
         return fallback
 
 
-def _build_kernels(arch: str):
-    """Compile (or load from the cache) the extension for `arch`."""
+def _load_extension(name: str, arch: str, build_dir: str):
+    """torch's load_inline for our source: builds with ninja unless build_dir
+    already holds an up-to-date library (torch's file lock makes concurrent
+    builders wait for one build), then imports it."""
     from torch.utils.cpp_extension import load_inline
 
-    source = KERNEL_SOURCE + HOST_SOURCE
-    key = hashlib.sha256("\0".join([source, HOST_DECLARATION, " ".join(NVCC_FLAGS), arch, torch.__version__,
-                                    str(torch.version.cuda)]).encode()).hexdigest()[:16]
-    build_dir = _writable_dir(os.path.join(_cache_root(), key))
-    name = f"moe_mxfp4_{key}"
-    already_built = any(f.startswith(name) and f.endswith(".so") for f in os.listdir(build_dir))
-    if not already_built:
-        print(f"moe_mxfp4: building CUDA kernels for sm_{arch.replace('.', '')} in {build_dir} "
-              "(first use only, about a minute)...", file=sys.stderr, flush=True)
-    start = time.time()
     previous_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
-        module = load_inline(name=name, cpp_sources=HOST_DECLARATION, cuda_sources=source,
-                             functions=["moe_forward"], extra_cuda_cflags=NVCC_FLAGS,
-                             build_directory=build_dir, verbose=False)
+        return load_inline(name=name, cpp_sources=HOST_DECLARATION, cuda_sources=KERNEL_SOURCE + HOST_SOURCE,
+                           functions=["moe_forward"], extra_cuda_cflags=NVCC_FLAGS,
+                           build_directory=build_dir, verbose=False)
     finally:
         if previous_arch is None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = previous_arch
+
+
+def _build_location(arch: str):
+    """(build directory, module name) for `arch`, keyed by everything that changes the binary."""
+    key = hashlib.sha256("\0".join([KERNEL_SOURCE, HOST_SOURCE, HOST_DECLARATION, " ".join(NVCC_FLAGS), arch,
+                                    torch.__version__, str(torch.version.cuda)]).encode()).hexdigest()[:16]
+    return _writable_dir(os.path.join(_cache_root(), key)), f"moe_mxfp4_{key}"
+
+
+def _build_kernels(arch: str):
+    """Compile (or load from the cache) the extension for `arch`."""
+    build_dir, name = _build_location(arch)
+    libraries = lambda: [f for f in os.listdir(build_dir) if f.startswith(name) and f.endswith(".so")]  # noqa: E731
+    already_built = bool(libraries())
+    if not already_built:
+        print(f"moe_mxfp4: building CUDA kernels for sm_{arch.replace('.', '')} in {build_dir} "
+              "(first use only, about a minute)...", file=sys.stderr, flush=True)
+    start = time.time()
+    try:
+        module = _load_extension(name, arch, build_dir)
+    except (ImportError, OSError) as error:
+        if not already_built:
+            raise
+        # The cached library no longer loads (truncated, corrupted): remove it
+        # so that ninja links it again, once.
+        print(f"moe_mxfp4: the cached library in {build_dir} does not load ({error}); rebuilding it",
+              file=sys.stderr, flush=True)
+        for library in libraries():
+            os.remove(os.path.join(build_dir, library))
+        module = _load_extension(name, arch, build_dir)
+        already_built = False
     if not already_built:
         print(f"moe_mxfp4: built in {time.time() - start:.1f} s", file=sys.stderr, flush=True)
     return module
@@ -919,17 +943,21 @@ def _backend(device: torch.device):
         except ImportError:
             _warn_fallback("ROCm without AITER (this project's kernels are not verified on AMD)")
     elif device.type == "cuda":
-        with torch.cuda.device(device):
-            arch = _cuda_arch()
-        if arch is None:
-            _warn_fallback(f"{torch.cuda.get_device_name(device)} has no fp8 tensor cores (needs sm_89+)")
-        else:
-            try:
-                backend = ("cuda", _build_kernels(arch))
-            except Exception as error:  # a missing compiler or a compile error: say so, keep working
-                _warn_fallback(f"building the CUDA kernels failed ({type(error).__name__}: {error})")
+        backend = _cuda_backend(torch.cuda.get_device_capability(device))
     _backend_cache[key] = backend
     return backend
+
+
+def _cuda_backend(capability):
+    arch = _cuda_arch(capability)
+    if arch is None:
+        _warn_fallback(f"compute capability {capability[0]}.{capability[1]} has no fp8 tensor cores (needs 8.9+)")
+        return ("torch", None)
+    try:
+        return ("cuda", _build_kernels(arch))
+    except Exception as error:  # a missing compiler or a compile error: say so, keep working
+        _warn_fallback(f"building the CUDA kernels failed ({type(error).__name__}: {error})")
+        return ("torch", None)
 
 
 def validate_inputs(data: input_t) -> None:
@@ -993,9 +1021,16 @@ def validate_inputs(data: input_t) -> None:
         raise ValueError(f"topk_ids: expected [{m}, top_k], got {list(topk_ids.shape)}")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights: expected {list(topk_ids.shape)} like topk_ids, got {list(topk_weights.shape)}")
-    if "total_top_k" in config and config["total_top_k"] != topk_ids.shape[1]:
-        raise ValueError(f"config['total_top_k']: {config['total_top_k']}, but topk_ids has "
-                         f"{topk_ids.shape[1]} columns")
+    # Keys the dispatcher does not need must still agree with the tensors.
+    for key, actual, what in (("total_top_k", topk_ids.shape[1], "topk_ids has {} columns"),
+                              ("bs", m, "hidden_states has {} rows")):
+        if key in config and config[key] != actual:
+            raise ValueError(f"config[{key!r}]: {config[key]}, but {what.format(actual)}")
+    if "n_routed_experts" in config and "n_shared_experts" in config and \
+            config["n_routed_experts"] + config["n_shared_experts"] != n_experts:
+        raise ValueError(f"config: n_routed_experts + n_shared_experts = "
+                         f"{config['n_routed_experts'] + config['n_shared_experts']}, but the weights hold "
+                         f"{n_experts} experts")
 
 
 def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = None) -> output_t:

@@ -27,6 +27,10 @@ def small_input(dhidden=512, dexpert=256, routed=8, top_k=2, shared=1, bs=7, see
     return reference.generate_input(dhidden, dexpert, routed, top_k, shared, bs, seed)
 
 
+def on_cpu(data):
+    return tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in data)
+
+
 def with_replaced(data, index, value):
     data = list(data)
     data[index] = value
@@ -67,11 +71,24 @@ def test_three_dimensional_scales_are_accepted():
     (11, lambda d: {**d[11], "d_hidden_pad": 500}, r"config\['d_hidden_pad'\]: expected a positive multiple of 256"),
     (11, lambda d: {**d[11], "total_top_k": 4}, r"config\['total_top_k'\]: 4, but topk_ids has 3 columns"),
     (11, lambda d: [1], r"config: expected a dict"),
+    (11, lambda d: {**d[11], "bs": 8}, r"config\['bs'\]: 8, but hidden_states has 7 rows"),
+    (11, lambda d: {**d[11], "n_routed_experts": 9}, r"n_routed_experts \+ n_shared_experts = 10, but the weights hold 9"),
 ])
 def test_bad_inputs_are_named(index, value, pattern):
     data = small_input()
     with pytest.raises((TypeError, ValueError), match=pattern):
         solution.custom_kernel(with_replaced(data, index, value(data)))
+
+
+def test_non_contiguous_inputs_give_the_same_result():
+    data = on_cpu(small_input(seed=6))
+    hidden = torch.empty((data[0].shape[0], 2 * data[0].shape[1]), dtype=torch.bfloat16)[:, ::2]
+    hidden.copy_(data[0])
+    ids = torch.empty((data[10].shape[1], data[10].shape[0]), dtype=torch.int32).T
+    ids.copy_(data[10])
+    assert not hidden.is_contiguous() and not ids.is_contiguous()
+    strided = with_replaced(with_replaced(data, 0, hidden), 10, ids)
+    assert torch.equal(solution.custom_kernel(strided), solution.custom_kernel(data))
 
 
 def test_wrong_tuple_is_refused():
@@ -235,10 +252,6 @@ def test_cuda_graph_replay_with_new_inputs():
     assert ok, message
 
 
-def on_cpu(data):
-    return tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in data)
-
-
 def test_out_of_range_expert_id_is_refused_on_cpu():
     data = on_cpu(small_input())
     ids = data[10].clone()
@@ -259,3 +272,54 @@ def test_unwritable_cache_directory_falls_back_to_a_temporary_one(tmp_path, caps
     chosen = solution._writable_dir(str(blocked / "cache"))
     assert chosen != str(blocked / "cache") and os.path.isdir(chosen)
     assert "not writable" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Build faults (no GPU needed: the build is replaced by stand-ins)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 9), "8.9"), ((10, 0), "10.0"),
+                                              ((8, 0), None), ((7, 5), None)])
+def test_cuda_arch_for_capability(capability, arch):
+    assert solution._cuda_arch(capability) == arch
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch):
+    def no_compiler(arch):
+        raise RuntimeError("nvcc: command not found")
+    monkeypatch.setattr(solution, "_build_kernels", no_compiler)
+    with pytest.warns(RuntimeWarning, match=r"building the CUDA kernels failed \(RuntimeError: nvcc: command not "
+                                            r"found\); using the PyTorch a4w4 path"):
+        assert solution._cuda_backend((9, 0)) == ("torch", None)
+
+
+def test_gpu_without_fp8_tensor_cores_warns_and_falls_back():
+    with pytest.warns(RuntimeWarning, match=r"compute capability 8.0 has no fp8 tensor cores"):
+        assert solution._cuda_backend((8, 0)) == ("torch", None)
+
+
+def test_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(solution.CACHE_DIR_ENV, str(tmp_path))
+    build_dir, name = solution._build_location("9.0a")
+    with open(os.path.join(build_dir, f"{name}.so"), "wb") as truncated:
+        truncated.write(b"\x7fELF")
+    seen = []
+
+    def load(name, arch, build_dir):
+        seen.append(sorted(os.listdir(build_dir)))
+        if len(seen) == 1:
+            raise ImportError(f"{name}.so: file too short")
+        return "module"
+
+    monkeypatch.setattr(solution, "_load_extension", load)
+    assert solution._build_kernels("9.0a") == "module"
+    assert seen == [[f"{name}.so"], []]   # the bad library was removed before the second load
+    assert "does not load" in capsys.readouterr().err
+
+
+def test_failed_first_build_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv(solution.CACHE_DIR_ENV, str(tmp_path))
+    def compile_error(name, arch, build_dir):
+        raise ImportError("undefined symbol: moe_forward")
+    monkeypatch.setattr(solution, "_load_extension", compile_error)
+    with pytest.raises(ImportError, match="undefined symbol"):
+        solution._build_kernels("9.0a")
