@@ -1082,6 +1082,34 @@ def custom_kernel(data: input_t) -> output_t:
     return _run_torch(data)
 
 
+# A torch.library op around custom_kernel, so that torch.compile can trace a
+# model that calls it: the fake implementation gives the output's shape
+# without running anything. The config dict travels as its four sizes.
+@torch.library.custom_op("moe_mxfp4::moe", mutates_args=())
+def moe_op(hidden_states: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+           gate_up_weight_scale: torch.Tensor, down_weight_scale: torch.Tensor,
+           gate_up_weight_shuffled: torch.Tensor, down_weight_shuffled: torch.Tensor,
+           gate_up_weight_scale_shuffled: torch.Tensor, down_weight_scale_shuffled: torch.Tensor,
+           topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+           d_hidden: int, d_expert: int, d_hidden_pad: int, d_expert_pad: int) -> torch.Tensor:
+    config = {"d_hidden": d_hidden, "d_expert": d_expert, "d_hidden_pad": d_hidden_pad, "d_expert_pad": d_expert_pad}
+    return custom_kernel((hidden_states, gate_up_weight, down_weight, gate_up_weight_scale, down_weight_scale,
+                          gate_up_weight_shuffled, down_weight_shuffled, gate_up_weight_scale_shuffled,
+                          down_weight_scale_shuffled, topk_weights, topk_ids, config))
+
+
+@moe_op.register_fake
+def _moe_op_shape(hidden_states, *tensors_and_sizes):
+    d_hidden = tensors_and_sizes[10]
+    return hidden_states.new_empty((hidden_states.shape[0], d_hidden))
+
+
+def moe_op_args(data: input_t) -> tuple:
+    """custom_kernel's input tuple as moe_op's arguments."""
+    config = data[11]
+    return tuple(data[:11]) + (config["d_hidden"], config["d_expert"], config["d_hidden_pad"], config["d_expert_pad"])
+
+
 # ===========================================================================
 # Self-benchmark: python solution.py
 # ===========================================================================

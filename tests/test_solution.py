@@ -323,3 +323,23 @@ def test_failed_first_build_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr(solution, "_load_extension", compile_error)
     with pytest.raises(ImportError, match="undefined symbol"):
         solution._build_kernels("9.0a")
+
+
+# ---------------------------------------------------------------------------
+# torch.library op
+# ---------------------------------------------------------------------------
+def test_custom_op_under_torch_compile():
+    data = on_cpu(small_input(dhidden=300, dexpert=200, seed=21))
+    torch.library.opcheck(solution.moe_op, solution.moe_op_args(data),
+                          test_utils=("test_faketensor",))
+    compiled = torch.compile(lambda *args: solution.moe_op(*args) * 2, backend="aot_eager", fullgraph=True)
+    out = compiled(*solution.moe_op_args(data))
+    assert torch.equal(out, solution.custom_kernel(data) * 2)
+
+
+@needs_cuda
+def test_custom_op_under_torch_compile_on_cuda():
+    data = reference.generate_input(1024, 256, 16, 4, 1, 33, 22)
+    compiled = torch.compile(lambda *args: solution.moe_op(*args), fullgraph=True)
+    ok, message = reference.check_implementation(data, compiled(*solution.moe_op_args(data)))
+    assert ok, message
