@@ -54,6 +54,11 @@ from task import input_t, output_t
 COMMON_SOURCE = r"""
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <string.h>
+
+// The bit-level format helpers below also compile for the host, where a unit
+// test checks them against reference.py without a GPU.
+#define MOE_HD __host__ __device__ __forceinline__
 
 namespace moe {
 
@@ -71,9 +76,28 @@ constexpr int kWeightStride = kStageWeightBytes + 16;
 constexpr int kActStride = kStageActBytes + 16;
 constexpr int kStages = 4;
 
+MOE_HD float bits_to_float(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(bits);
+#else
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+MOE_HD uint32_t float_to_bits(float f) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return bits;
+#endif
+}
+
 // E2M1 code (sign in bit 3) of x, round to nearest, ties to even, saturating
 // at 6: the same rule as reference.e2m1_encode.
-__device__ __forceinline__ uint32_t e2m1_code(float x) {
+MOE_HD uint32_t e2m1_code(float x) {
     const float a = fabsf(x);
     const uint32_t c = a <= 0.25f ? 0u : a < 0.75f ? 1u : a <= 1.25f ? 2u : a < 1.75f ? 3u
                      : a <= 2.5f ? 4u : a < 3.5f ? 5u : a <= 5.0f ? 6u : 7u;
@@ -84,14 +108,14 @@ __device__ __forceinline__ uint32_t e2m1_code(float x) {
 // mantissa bits land in E4M3's low exponent bits and top mantissa bit (0.5
 // becomes an E4M3 subnormal). The weights are converted the same way, 4 codes
 // at a time, so every MMA product carries 2^-12, folded into the weight scale.
-__device__ __forceinline__ uint32_t e2m1_to_e4m3(uint32_t code) {
+MOE_HD uint32_t e2m1_to_e4m3(uint32_t code) {
     return ((code & 7u) << 2) | ((code & 8u) << 4);
 }
 // Low and high nibbles of four packed fp4 bytes, as four E4M3 bytes each.
-__device__ __forceinline__ uint32_t fp4_low_nibbles_to_e4m3(uint32_t w) {
+MOE_HD uint32_t fp4_low_nibbles_to_e4m3(uint32_t w) {
     return ((w & 0x07070707u) << 2) | ((w & 0x08080808u) << 4);
 }
-__device__ __forceinline__ uint32_t fp4_high_nibbles_to_e4m3(uint32_t w) {
+MOE_HD uint32_t fp4_high_nibbles_to_e4m3(uint32_t w) {
     return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
 }
 
@@ -99,21 +123,44 @@ __device__ __forceinline__ uint32_t fp4_high_nibbles_to_e4m3(uint32_t w) {
 // 2^12 (the 2^12 undoes e2m1_to_e4m3's 2^-6 on both operands): one saturating
 // byte add. Exact for s < 243 (weight scales below 2^116; s = 0 included);
 // s >= 243 saturates to +Inf, so out-of-range scales are loud, not wrong.
-__device__ __forceinline__ uint32_t e8m0_biased_x4(uint32_t four_scales) {
+MOE_HD uint32_t e8m0_biased_x4(uint32_t four_scales) {
+#ifdef __CUDA_ARCH__
     return __vaddus4(four_scales, 0x0C0C0C0Cu);
+#else
+    uint32_t out = 0;
+    for (int k = 0; k < 4; ++k) {
+        const uint32_t byte = ((four_scales >> (8 * k)) & 0xFFu) + 12u;
+        out |= (byte > 255u ? 255u : byte) << (8 * k);
+    }
+    return out;
+#endif
 }
 // Byte k (0..3) of e8m0_biased_x4's result as that float.
 template <int K>
-__device__ __forceinline__ float biased_scale_byte(uint32_t biased) {
-    return __uint_as_float(((K < 3 ? biased << (23 - 8 * K) : biased >> 1)) & 0x7F800000u);
+MOE_HD float biased_scale_byte(uint32_t biased) {
+    return bits_to_float(((K < 3 ? biased << (23 - 8 * K) : biased >> 1)) & 0x7F800000u);
 }
 
 // Byte position of value j (0..31) of a scale block in the activation layout
 // the MMA B fragment wants: thread t of a quad reads word t of the first 16
 // bytes (values 8t, 8t+2, 8t+4, 8t+6) and word t of the next 16 (the odd
 // ones), matching the low/high nibble split of the weights.
-__device__ __forceinline__ int act_byte_position(int j) {
+MOE_HD int act_byte_position(int j) {
     return (j & 1) * 16 + (j >> 3) * 4 + ((j & 7) >> 1);
+}
+
+// Qa's block exponent e for a block whose largest magnitude is amax (not
+// NaN): amax's bits plus 0x200000, masked to the exponent, e = log2 - 2,
+// clamped to [-127, 127].
+MOE_HD int qa_exponent(float amax) {
+    const uint32_t rounded = (float_to_bits(amax) + 0x200000u) & 0xFF800000u;
+    const int exponent_field = (int)(rounded >> 23);
+    return exponent_field == 255 ? 127 : max(exponent_field - 129, -127);
+}
+// 2^e for e in [-127, 127], exactly, as a product of two normal powers of
+// two: 2^-127 is subnormal and has no exponent field of its own.
+MOE_HD float exact_pow2(int e) {
+    return bits_to_float((uint32_t)(127 + (e >> 1)) << 23) * bits_to_float((uint32_t)(127 + (e - (e >> 1))) << 23);
 }
 
 // Qa of one 32-value block held one value per lane (SPEC section 4): writes
@@ -124,20 +171,13 @@ __device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* 
     for (int offset = 16; offset > 0; offset >>= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const bool has_nan = __any_sync(0xffffffffu, isnan(v));
-    const uint32_t rounded = (__float_as_uint(amax) + 0x200000u) & 0xFF800000u;
-    const int exponent_field = (int)(rounded >> 23);
-    const int e = exponent_field == 255 ? 127 : max(exponent_field - 129, -127);
-    // 2^e and 2^-e, exactly, as products of two normal powers of two: 2^-127
-    // is subnormal and has no exponent field of its own.
-    const float inv_half = __uint_as_float((uint32_t)(127 - (e >> 1)) << 23);
-    const float inv_rest = __uint_as_float((uint32_t)(127 - (e - (e >> 1))) << 23);
+    const int e = qa_exponent(amax);
+    // v * 2^-e in two exact steps (see exact_pow2).
+    const float inv_half = bits_to_float((uint32_t)(127 - (e >> 1)) << 23);
+    const float inv_rest = bits_to_float((uint32_t)(127 - (e - (e >> 1))) << 23);
     const uint32_t code = e2m1_code(v * inv_half * inv_rest);
     dst[act_byte_position(lane)] = (uint8_t)e2m1_to_e4m3(code);
-    if (lane == 0) {
-        const float half = __uint_as_float((uint32_t)(127 + (e >> 1)) << 23);
-        const float rest = __uint_as_float((uint32_t)(127 + (e - (e >> 1))) << 23);
-        *dst_scale = has_nan ? __int_as_float(0x7FC00000) : half * rest;
-    }
+    if (lane == 0) *dst_scale = has_nan ? __int_as_float(0x7FC00000) : exact_pow2(e);
 }
 
 __device__ __forceinline__ int2 warp_inclusive_scan(int2 v, int lane) {

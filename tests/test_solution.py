@@ -343,3 +343,115 @@ def test_custom_op_under_torch_compile_on_cuda():
     compiled = torch.compile(lambda *args: solution.moe_op(*args), fullgraph=True)
     ok, message = reference.check_implementation(data, compiled(*solution.moe_op_args(data)))
     assert ok, message
+
+
+# ---------------------------------------------------------------------------
+# The kernels' bit-level format helpers, compiled for the host by nvcc and
+# checked against reference.py (no GPU needed)
+# ---------------------------------------------------------------------------
+HELPER_DRIVER = r"""
+#include <stdio.h>
+int main() {
+    char kind[32];
+    unsigned int x;
+    while (scanf("%31s %x", kind, &x) == 2) {
+        const float f = moe::bits_to_float(x);
+        unsigned int out = 0;
+        if (!strcmp(kind, "code")) out = moe::e2m1_code(f);
+        else if (!strcmp(kind, "code_e4m3")) out = moe::e2m1_to_e4m3(x);
+        else if (!strcmp(kind, "low")) out = moe::fp4_low_nibbles_to_e4m3(x);
+        else if (!strcmp(kind, "high")) out = moe::fp4_high_nibbles_to_e4m3(x);
+        else if (!strcmp(kind, "position")) out = moe::act_byte_position((int)x);
+        else if (!strcmp(kind, "scale0")) out = moe::float_to_bits(moe::biased_scale_byte<0>(moe::e8m0_biased_x4(x)));
+        else if (!strcmp(kind, "scale1")) out = moe::float_to_bits(moe::biased_scale_byte<1>(moe::e8m0_biased_x4(x)));
+        else if (!strcmp(kind, "scale2")) out = moe::float_to_bits(moe::biased_scale_byte<2>(moe::e8m0_biased_x4(x)));
+        else if (!strcmp(kind, "scale3")) out = moe::float_to_bits(moe::biased_scale_byte<3>(moe::e8m0_biased_x4(x)));
+        else if (!strcmp(kind, "qa")) out = moe::float_to_bits(moe::exact_pow2(moe::qa_exponent(f)));
+        printf("%08x\n", out);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def helpers(tmp_path_factory):
+    """Run (kind, uint32) queries through the helpers; returns a function."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    folder = tmp_path_factory.mktemp("helpers")
+    (folder / "helpers.cu").write_text(solution.COMMON_SOURCE + HELPER_DRIVER)
+    build = subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=sm_90a",
+                            str(folder / "helpers.cu"), "-o", str(folder / "helpers")],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout + build.stderr
+
+    def query(kind, values):
+        text = "".join(f"{kind} {int(v) & 0xFFFFFFFF:x}\n" for v in values)
+        run = subprocess.run([str(folder / "helpers")], input=text, capture_output=True, text=True, timeout=60)
+        return [int(line, 16) for line in run.stdout.split()]
+    return query
+
+
+def float_bits(values):
+    return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
+
+
+def e4m3_value(byte):
+    """An FP8 E4M3 byte's value (no NaN in the bytes the kernels make)."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    exponent, mantissa = (byte >> 3) & 0xF, byte & 7
+    if exponent == 0:
+        return sign * mantissa / 8 * 2.0 ** -6
+    return sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+
+
+def test_e2m1_code_matches_the_reference(helpers):
+    grid = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 1e30, float("inf")]
+    values = grid + [-v for v in grid] + [v * (1 + d) for v in grid[1:14] for d in (1e-6, -1e-6)]
+    values += torch.randn(2000, generator=torch.Generator().manual_seed(1)).mul(3).tolist()
+    expected = reference.e2m1_encode(torch.tensor(values, dtype=torch.float32)).tolist()
+    assert helpers("code", float_bits(values)) == expected
+
+
+def test_e4m3_encodings_are_e2m1_values_times_2_pow_minus_6(helpers):
+    codes = list(range(16))
+    values = reference.e2m1_decode(torch.tensor(codes)).tolist()
+    assert [e4m3_value(b) for b in helpers("code_e4m3", codes)] == [v * 2.0 ** -6 for v in values]
+    words = torch.randint(0, 2 ** 32, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    for kind, shift in (("low", 0), ("high", 4)):
+        for word, out in zip(words, helpers(kind, words)):
+            nibbles = [(word >> (8 * i + shift)) & 0xF for i in range(4)]
+            got = [e4m3_value((out >> (8 * i)) & 0xFF) for i in range(4)]
+            assert got == [v * 2.0 ** -6 for v in reference.e2m1_decode(torch.tensor(nibbles)).tolist()]
+
+
+def test_weight_and_activation_k_orders_agree(helpers):
+    """A weight word t of a 16-byte block gives values 8t, 8t+2, 8t+4, 8t+6
+    (low nibbles) and 8t+1, ... (high nibbles); the activation layout must put
+    the same values at word t of its first and second 16-byte halves."""
+    position = helpers("position", range(32))
+    assert sorted(position) == list(range(32))
+    for t in range(4):
+        for i in range(4):
+            assert position[8 * t + 2 * i] == 4 * t + i            # first half, word t, byte i
+            assert position[8 * t + 2 * i + 1] == 16 + 4 * t + i   # second half
+
+
+def test_weight_scales_are_exact_or_saturate(helpers):
+    """Each byte of a word of four scales, its neighbours holding other scales."""
+    rng = random.Random(4)
+    for k in range(4):
+        words = [sum(rng.randrange(256) << (8 * i) for i in range(4) if i != k) | s << (8 * k) for s in range(256)]
+        for s, bits in enumerate(helpers(f"scale{k}", words)):
+            value = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+            assert value == (2.0 ** (s - 127 + 12) if s < 243 else float("inf")), (k, s)
+
+
+def test_qa_exponent_matches_the_reference(helpers):
+    amaxes = [0.0, 1e-45, 1e-40, 2.0 ** -126, 1.0, 1.75, 1.7499999, 1.875, 2.0, 3.9, 6.0, 7.5, 8.0, 448.0,
+              2.0 ** 100, 3.3e38, float("inf")]
+    amaxes += torch.rand(1000, generator=torch.Generator().manual_seed(3)).mul(64).tolist()
+    expected = torch.exp2(reference.activation_scale_exponent(torch.tensor(amaxes, dtype=torch.float32)))
+    got = torch.tensor(helpers("qa", float_bits(amaxes)), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    assert torch.equal(got, expected)
