@@ -348,19 +348,18 @@ struct GemmShape {
 // acc[m-tile][n-tile][4] = sum over k_blocks scale blocks of
 //     (W block . A block) * w_scale * a_scale
 // for this warp's 32 weight rows and kWarpTiles*8 tokens. The weight rows sit
-// on the MMA's M side, so a handful of tokens still fills it. Per thread:
-//   weight_row[j]     byte offset, within `weight`, of local row tid/8 + j*kThreads/8;
-//   weight_scale_row  byte offset, within `weight_scale`, of local row tid (tid < kRows);
-//   act_row[j]        source row in `act` of token tid/16 + j*kThreads/16, -1 if none;
-//   act_scale_src     source row in `act_scale` of token tid/2, -1 if none.
-// Rows of -1 are zero-filled, so their results are finite and discarded.
-template <int NT>
+// on the MMA's M side, so a handful of tokens still fills it.
+//   weight_row_of(r)  row, within the expert's `weight` and `weight_scale`, of
+//                     the CTA's local weight row r (0..kRows-1);
+//   act_row_of(i)     row of `act` and `act_scale` holding the tile's token i,
+//                     -1 past the tile's end: zero-filled, finite, discarded.
+// Rows are k_padded values long: k_padded/2 weight bytes, k_padded/32 scales.
+template <int NT, typename WeightRowOf, typename ActRowOf>
 __device__ __forceinline__ void gemm_mainloop(
         float (&acc)[2][GemmShape<NT>::kWarpTiles][4], uint8_t* smem,
-        const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale,
-        const uint32_t (&weight_row)[GemmShape<NT>::kWeightLoadsPerThread], uint32_t weight_scale_row,
-        const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
-        const int (&act_row)[GemmShape<NT>::kActLoadsPerThread], int act_scale_src, int k_padded, int k_blocks) {
+        const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
+        const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
+        int k_padded, int k_blocks) {
     using S = GemmShape<NT>;
     constexpr int WT = S::kWarpTiles;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -368,6 +367,19 @@ __device__ __forceinline__ void gemm_mainloop(
     const int g = lane >> 2, t = lane & 3;
     const int n_stages = (k_blocks + kStageBlocks - 1) / kStageBlocks;
     const int scale_len = k_padded / kScaleBlock;
+
+    // The rows this thread copies: 16-byte chunk tid%8 of weight rows
+    // tid/8 + j*kThreads/8, the scales of weight row tid, 16-byte chunk tid%16
+    // of token rows tid/16 + j*kThreads/16, and half tid%2 of token tid/2's scales.
+    uint32_t weight_row[S::kWeightLoadsPerThread];
+#pragma unroll
+    for (int j = 0; j < S::kWeightLoadsPerThread; ++j)
+        weight_row[j] = weight_row_of((tid >> 3) + j * (S::kThreads / 8)) * (uint32_t)(k_padded / 2);
+    const uint32_t weight_scale_row = weight_row_of(tid % kRows) * (uint32_t)scale_len;
+    int act_row[S::kActLoadsPerThread];
+#pragma unroll
+    for (int j = 0; j < S::kActLoadsPerThread; ++j) act_row[j] = act_row_of((tid >> 4) + j * (S::kThreads / 16));
+    const int act_scale_src = tid < 2 * S::kTokens ? act_row_of(tid >> 1) : -1;
 
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -554,23 +566,14 @@ __global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage1_kernel(
     const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2);
     const uint8_t* scale = gate_up_scale + tile.expert * expert_rows * (d_hidden_pad / kScaleBlock);
     // Local row r: row warp r/32, m-tile (r/16)%2 (0 gate, 1 up), row r%16.
-    auto weight_row_index = [&](int r) {
+    auto weight_row_of = [&](int r) {
         return ((r >> 4) & 1) * d_expert_pad + col0 + (r >> 5) * 16 + (r & 15);
     };
-    uint32_t weight_row[S::kWeightLoadsPerThread];
-#pragma unroll
-    for (int j = 0; j < S::kWeightLoadsPerThread; ++j)
-        weight_row[j] = weight_row_index((tid >> 3) + j * (S::kThreads / 8)) * (uint32_t)(d_hidden_pad / 2);
-    const uint32_t weight_scale_row = weight_row_index(tid % kRows) * (uint32_t)(d_hidden_pad / kScaleBlock);
     auto token_of = [&](int i) { return i < tile.rows ? sorted_pairs[tile.row_start + i] / top_k : -1; };
-    int act_row[S::kActLoadsPerThread];
-#pragma unroll
-    for (int j = 0; j < S::kActLoadsPerThread; ++j) act_row[j] = token_of((tid >> 4) + j * (S::kThreads / 16));
-    const int act_scale_src = tid < 2 * S::kTokens ? token_of(tid >> 1) : -1;
 
     float acc[2][S::kWarpTiles][4];
-    gemm_mainloop<NT>(acc, smem, weight, scale, weight_row, weight_scale_row, act, act_scale,
-                      act_row, act_scale_src, d_hidden_pad, (d_hidden + kScaleBlock - 1) / kScaleBlock);
+    gemm_mainloop<NT>(acc, smem, weight, scale, weight_row_of, act, act_scale, token_of,
+                      d_hidden_pad, (d_hidden + kScaleBlock - 1) / kScaleBlock);
 
     // h = bf16(silu(gate) * up), zero in the padding columns, then Qa per
     // 32-column block, which spans two warps: go through shared memory.
@@ -638,20 +641,12 @@ __global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage2_kernel(
     const int row0 = blockIdx.y * kRows;
     const uint8_t* weight = down_weight + tile.expert * (size_t)d_hidden_pad * (d_expert_pad / 2);
     const uint8_t* scale = down_scale + tile.expert * (size_t)d_hidden_pad * (d_expert_pad / kScaleBlock);
-    uint32_t weight_row[S::kWeightLoadsPerThread];
-#pragma unroll
-    for (int j = 0; j < S::kWeightLoadsPerThread; ++j)
-        weight_row[j] = (row0 + (tid >> 3) + j * (S::kThreads / 8)) * (uint32_t)(d_expert_pad / 2);
-    const uint32_t weight_scale_row = (row0 + tid % kRows) * (uint32_t)(d_expert_pad / kScaleBlock);
+    auto weight_row_of = [&](int r) { return row0 + r; };
     auto row_of = [&](int i) { return i < tile.rows ? tile.row_start + i : -1; };
-    int act_row[S::kActLoadsPerThread];
-#pragma unroll
-    for (int j = 0; j < S::kActLoadsPerThread; ++j) act_row[j] = row_of((tid >> 4) + j * (S::kThreads / 16));
-    const int act_scale_src = tid < 2 * S::kTokens ? row_of(tid >> 1) : -1;
 
     float acc[2][S::kWarpTiles][4];
-    gemm_mainloop<NT>(acc, smem, weight, scale, weight_row, weight_scale_row, inter, inter_scale,
-                      act_row, act_scale_src, d_expert_pad, (d_expert + kScaleBlock - 1) / kScaleBlock);
+    gemm_mainloop<NT>(acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of,
+                      d_expert_pad, (d_expert + kScaleBlock - 1) / kScaleBlock);
 
     float* y = reinterpret_cast<float*>(smem);
     const int g = lane >> 2, t = lane & 3;
