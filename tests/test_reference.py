@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import reference as ref
+from inputs import to_cpu
 
 # ---------------------------------------------------------------------------
 # Independent helpers (SPEC text, not reference.py)
@@ -141,10 +142,6 @@ def rel_l2(out: torch.Tensor, exp: torch.Tensor) -> float:
 def raw_bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes, for bitwise comparison whatever its dtype."""
     return t.contiguous().view(torch.uint8)
-
-
-def to_cpu(data):
-    return tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in data)
 
 
 # ---------------------------------------------------------------------------

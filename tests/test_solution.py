@@ -11,6 +11,7 @@ import torch
 
 import reference
 import solution
+from inputs import to_cpu
 
 ON_CUDA = torch.cuda.is_available() and not torch.version.hip
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU (no CUDA device here)")
@@ -25,10 +26,6 @@ OFFICIAL_BENCHMARKS = [
 
 def small_input(dhidden=512, dexpert=256, routed=8, top_k=2, shared=1, bs=7, seed=1):
     return reference.generate_input(dhidden, dexpert, routed, top_k, shared, bs, seed)
-
-
-def on_cpu(data):
-    return tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in data)
 
 
 def with_replaced(data, index, value):
@@ -81,7 +78,7 @@ def test_bad_inputs_are_named(index, value, pattern):
 
 
 def test_non_contiguous_inputs_give_the_same_result():
-    data = on_cpu(small_input(seed=6))
+    data = to_cpu(small_input(seed=6))
     hidden = torch.empty((data[0].shape[0], 2 * data[0].shape[1]), dtype=torch.bfloat16)[:, ::2]
     hidden.copy_(data[0])
     ids = torch.empty((data[10].shape[1], data[10].shape[0]), dtype=torch.int32).T
@@ -252,8 +249,8 @@ def test_cuda_graph_replay_with_new_inputs():
     assert ok, message
 
 
-def test_out_of_range_expert_id_is_refused_on_cpu():
-    data = on_cpu(small_input())
+def test_out_of_range_expert_id_is_refused_to_cpu():
+    data = to_cpu(small_input())
     ids = data[10].clone()
     ids[2, 1] = 9
     with pytest.raises(ValueError, match=r"topk_ids: expert ids must lie in \[0, 9\), got \[0, 9\]"):
@@ -329,7 +326,7 @@ def test_failed_first_build_is_reported(monkeypatch, tmp_path):
 # torch.library op
 # ---------------------------------------------------------------------------
 def test_custom_op_under_torch_compile():
-    data = on_cpu(small_input(dhidden=300, dexpert=200, seed=21))
+    data = to_cpu(small_input(dhidden=300, dexpert=200, seed=21))
     torch.library.opcheck(solution.moe_op, solution.moe_op_args(data),
                           test_utils=("test_faketensor",))
     compiled = torch.compile(lambda *args: solution.moe_op(*args) * 2, backend="aot_eager", fullgraph=True)
