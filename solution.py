@@ -67,14 +67,6 @@ constexpr int kMaxExperts = 4096;      // routing keeps 3 ints per expert in sha
 constexpr int kRowWarps = 4;           // warps across a GEMM CTA's weight rows
 constexpr int kRowsPerWarp = 32;       // two m16 MMA tiles of weight rows
 constexpr int kRows = kRowWarps * kRowsPerWarp;
-constexpr int kStageBlocks = 8;        // scale blocks per pipeline stage: 256 values
-constexpr int kStageWeightBytes = kStageBlocks * 16;
-constexpr int kStageActBytes = kStageBlocks * 32;
-// Shared-memory row strides padded by 16 bytes so that the eight 16-byte rows
-// an ldmatrix phase reads fall in eight different bank groups.
-constexpr int kWeightStride = kStageWeightBytes + 16;
-constexpr int kActStride = kStageActBytes + 16;
-constexpr int kStages = 4;
 
 MOE_HD float bits_to_float(uint32_t bits) {
 #ifdef __CUDA_ARCH__
@@ -103,50 +95,68 @@ MOE_HD uint32_t e2m1_code(float x) {
                      : a <= 2.5f ? 4u : a < 3.5f ? 5u : a <= 5.0f ? 6u : 7u;
     return c | (signbit(x) ? 8u : 0u);
 }
-
-// An E2M1 code as an FP8 E4M3 byte worth value * 2^-6: the code's exponent and
-// mantissa bits land in E4M3's low exponent bits and top mantissa bit (0.5
-// becomes an E4M3 subnormal). The weights are converted the same way, 4 codes
-// at a time, so every MMA product carries 2^-12, folded into the weight scale.
-MOE_HD uint32_t e2m1_to_e4m3(uint32_t code) {
-    return ((code & 7u) << 2) | ((code & 8u) << 4);
-}
-// Low and high nibbles of four packed fp4 bytes, as four E4M3 bytes each.
-MOE_HD uint32_t fp4_low_nibbles_to_e4m3(uint32_t w) {
-    return ((w & 0x07070707u) << 2) | ((w & 0x08080808u) << 4);
-}
-MOE_HD uint32_t fp4_high_nibbles_to_e4m3(uint32_t w) {
-    return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+MOE_HD float e2m1_value(uint32_t code) {
+    const uint32_t c = code & 7u;
+    const float magnitude = c < 4u ? 0.5f * (float)c : (float)(c & 1u ? 3u << ((c >> 1) - 2) : 2u << ((c >> 1) - 2));
+    return code & 8u ? -magnitude : magnitude;
 }
 
-// Four E8M0 weight-scale bytes to the float exponent fields of 2^(s-127) *
-// 2^12 (the 2^12 undoes e2m1_to_e4m3's 2^-6 on both operands): one saturating
-// byte add. Exact for s < 243 (weight scales below 2^116; s = 0 included);
-// s >= 243 saturates to +Inf, so out-of-range scales are loud, not wrong.
-MOE_HD uint32_t e8m0_biased_x4(uint32_t four_scales) {
+// The GEMMs run bf16 MMAs on operands that carry their block scales: every
+// E2M1 value times a power of two is exact in bf16, so the MMA's fp32
+// accumulation over the whole K needs no per-block epilogue.
+//
+// Weights: pair J (0..3) of a word of eight fp4 codes, codes J and J+4, as the
+// bf16 bit patterns of value * 2^-126 in the low and high halves (magnitude
+// bits to bf16 bits 6..8, sign to bit 15; code 1, 0.5, becomes a subnormal).
+// Multiplying by the block's weight_multiplier then gives value * scale.
+template <int J>
+MOE_HD uint32_t fp4_pair_to_bf16(uint32_t word) {
+    const uint32_t magnitude = (J == 0 ? word << 6 : J == 1 ? word << 2 : J == 2 ? word >> 2 : word >> 6) & 0x01C001C0u;
+    const uint32_t sign = J == 0 ? word << 12 : J == 1 ? word << 8 : J == 2 ? word << 4 : word;
+    return (sign & 0x80008000u) | magnitude;
+}
+// Both halves of a bf16x2 set to 2^(field - 127), field in [0, 254].
+MOE_HD uint32_t bf16x2_pow2(uint32_t field) {
+    return (field << 7) * 0x10001u;
+}
+// The multipliers that take fp4_pair_to_bf16's value * 2^-126 to
+// value * 2^(s-127) for an E8M0 scale byte s: 2^(s-1) in one bf16 factor
+// when s <= 128 (second factor 1), split in two above that. s = 255 (NaN)
+// gives NaN.
+MOE_HD uint32_t weight_multiplier_low(uint32_t s) {
+    return bf16x2_pow2((s < 128u ? s : 128u) + 126u);
+}
+MOE_HD uint32_t weight_multiplier_high(uint32_t s) {
+    return s == 255u ? 0x7FC07FC0u : bf16x2_pow2((s > 128u ? s : 128u) - 1u);
+}
+// Byte k (0..3) of four scale bytes, all at most 128, as
+// weight_multiplier_low: (s + 126) << 7 in both halves, one byte add for all
+// four and a byte permute.
+MOE_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
 #ifdef __CUDA_ARCH__
-    return __vaddus4(four_scales, 0x0C0C0C0Cu);
+    return __byte_perm(x, y, selector);
 #else
+    const uint64_t bytes = (uint64_t)y << 32 | x;
     uint32_t out = 0;
-    for (int k = 0; k < 4; ++k) {
-        const uint32_t byte = ((four_scales >> (8 * k)) & 0xFFu) + 12u;
-        out |= (byte > 255u ? 255u : byte) << (8 * k);
-    }
+    for (int i = 0; i < 4; ++i) out |= (uint32_t)(bytes >> (8 * ((selector >> (4 * i)) & 7)) & 0xFFu) << (8 * i);
     return out;
 #endif
 }
-// Byte k (0..3) of e8m0_biased_x4's result as that float.
-template <int K>
-MOE_HD float biased_scale_byte(uint32_t biased) {
-    return bits_to_float(((K < 3 ? biased << (23 - 8 * K) : biased >> 1)) & 0x7F800000u);
+MOE_HD uint32_t weight_multiplier_of_byte(uint32_t four_scales, int k) {
+    return byte_perm(four_scales + 0x7E7E7E7Eu, 0u, 0x4040u | (uint32_t)k * 0x101u) << 7;
+}
+// True if any of four packed scale bytes is above 128 (needs the second factor).
+MOE_HD bool any_scale_above_128(uint32_t four_scales) {
+    return (four_scales & 0x80808080u & ((four_scales & 0x7F7F7F7Fu) + 0x7F7F7F7Fu)) != 0u;
 }
 
-// Byte position of value j (0..31) of a scale block in the activation layout
-// the MMA B fragment wants: thread t of a quad reads word t of the first 16
-// bytes (values 8t, 8t+2, 8t+4, 8t+6) and word t of the next 16 (the odd
-// ones), matching the low/high nibble split of the weights.
-MOE_HD int act_byte_position(int j) {
-    return (j & 1) * 16 + (j >> 3) * 4 + ((j & 7) >> 1);
+// Activations are stored as bf16 (Qa's values, exact), each 32-value block
+// permuted so that the MMA's B fragments pair with the weight pairs above:
+// physical value p of a block sits at act_position(p). Thread t of a quad
+// holds weight word t (values 8t..8t+7); its k16 step s, half h, lane l take
+// pair 2s+h, so value 8t + (2s+h) + 4l is logical k 16s + 8h + 2t + l.
+MOE_HD int act_position(int p) {
+    return ((p >> 1) & 1) << 4 | (p & 1) << 3 | (p >> 3) << 1 | ((p >> 2) & 1);
 }
 
 // Qa's block exponent e for a block whose largest magnitude is amax (not
@@ -164,9 +174,10 @@ MOE_HD float exact_pow2(int e) {
 }
 
 // Qa of one 32-value block held one value per lane (SPEC section 4): writes
-// the 32 E4M3 bytes in MMA order and the block scale 2^e (NaN if any value is
-// NaN, so NaN reaches the output instead of vanishing in the max).
-__device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* dst, float* dst_scale) {
+// the dequantised values, code * 2^e (exact in bf16), to the block's 32 bf16
+// slots in act_position order; all NaN if any value is NaN, so that NaN
+// reaches the output instead of vanishing in the max.
+__device__ __forceinline__ void quantize_block_warp(float v, int lane, __nv_bfloat16* dst) {
     float amax = fabsf(v);
     for (int offset = 16; offset > 0; offset >>= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
@@ -175,9 +186,8 @@ __device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* 
     // v * 2^-e in two exact steps (see exact_pow2).
     const float inv_half = bits_to_float((uint32_t)(127 - (e >> 1)) << 23);
     const float inv_rest = bits_to_float((uint32_t)(127 - (e - (e >> 1))) << 23);
-    const uint32_t code = e2m1_code(v * inv_half * inv_rest);
-    dst[act_byte_position(lane)] = (uint8_t)e2m1_to_e4m3(code);
-    if (lane == 0) *dst_scale = has_nan ? __int_as_float(0x7FC00000) : exact_pow2(e);
+    const float value = e2m1_value(e2m1_code(v * inv_half * inv_rest)) * exact_pow2(e);
+    dst[act_position(lane)] = __float2bfloat16_rn(has_nan ? __int_as_float(0x7FC00000) : value);
 }
 
 __device__ __forceinline__ int2 warp_inclusive_scan(int2 v, int lane) {
@@ -279,11 +289,22 @@ __global__ void __launch_bounds__(1024) route_kernel(
 # ===========================================================================
 # Kernel source: the expert GEMM main loop shared by stage 1 and stage 2
 # ===========================================================================
+class KernelConfig(NamedTuple):
+    tile_tokens: int    # tokens per GEMM tile, a multiple of 8 (one MMA n-tile)
+    stage_blocks: int   # scale blocks (32 K values) per cp.async pipeline stage
+    stages: int         # pipeline depth
+
+
+# Every GEMM configuration compiled into the kernels; choose_config picks one.
+GEMM_CONFIGS = (KernelConfig(8, 8, 4), KernelConfig(32, 4, 4), KernelConfig(64, 4, 4), KernelConfig(64, 8, 3))
+GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
+    f"X({c.tile_tokens // 8}, {c.stage_blocks}, {c.stages})" for c in GEMM_CONFIGS) + "\n"
+
 GEMM_SOURCE = r"""
 namespace moe {
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
-#define MOE_HAS_FP8_MMA 1
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define MOE_HAS_BF16_MMA 1
 #endif
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -294,8 +315,9 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async_8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(smem_addr(dst)), "l"(src));
+template <int Bytes>
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" :: "r"(smem_addr(dst)), "l"(src), "n"(Bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
@@ -306,20 +328,34 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-// d = a(16x32) . b(32x8) over one scale block, E4M3 in, fp32 out, from zero.
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#ifdef MOE_HAS_FP8_MMA
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+// Both bf16 halves of a times those of b: exact here (powers of two times
+// E2M1 values, subnormals included), hence no rounding question.
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+    uint32_t d;
+#ifdef MOE_HAS_BF16_MMA
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#else
+    __trap();
+#endif
+    return d;
+}
+
+// d += a(16x16) . b(16x8), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#ifdef MOE_HAS_BF16_MMA
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #else
     __trap();
 #endif
 }
 
-// A GEMM CTA: kRows weight rows x NT*8 tokens.
-template <int NT>
+// A GEMM CTA: kRows weight rows x NT*8 tokens, its K streamed through a
+// cp.async pipeline of STAGES stages of SB scale blocks each.
+template <int NT, int SB, int STAGES>
 struct GemmShape {
     static constexpr int kTokens = NT * 8;
     // Tiles of 16+ tokens get a second group of four warps for the other half
@@ -330,56 +366,64 @@ struct GemmShape {
     static constexpr int kWarps = kRowWarps * kTokenGroups;
     static constexpr int kThreads = kWarps * 32;
     static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * kWarpTiles * 8; }
+    static constexpr int kStageBlocks = SB, kStages = STAGES;
+    // Row strides padded by 16 bytes, so that the eight 16-byte rows an
+    // ldmatrix phase reads fall in eight different bank groups.
+    static constexpr int kWeightStride = kStageBlocks * 16 + 16;
+    static constexpr int kActStride = kStageBlocks * kScaleBlock * 2 + 16;
     static constexpr int kWeightBytes = kRows * kWeightStride;
     static constexpr int kWeightScaleBytes = kRows * kStageBlocks;
     static constexpr int kActBytes = kTokens * kActStride;
-    static constexpr int kActScaleBytes = kTokens * kStageBlocks * 4;
-    static constexpr int kStageBytes = kWeightBytes + kWeightScaleBytes + kActBytes + kActScaleBytes;
-    static constexpr int kWeightLoadsPerThread = kRows * 8 / kThreads;   // 16-byte chunks per stage
-    static constexpr int kActLoadsPerThread = (kTokens * 16 + kThreads - 1) / kThreads;
+    static constexpr int kStageBytes = kWeightBytes + kWeightScaleBytes + kActBytes;
+    static constexpr int kWeightChunks = kRows * kStageBlocks / kThreads;       // 16-byte copies per thread
+    static constexpr int kActRowChunks = kStageBlocks * 4;                      // 16-byte chunks per token row
+    static constexpr int kActChunks = kTokens * kActRowChunks / kThreads;
+    static_assert(kRows * kStageBlocks % kThreads == 0 && kTokens * kActRowChunks % kThreads == 0, "copy split");
     // Shared memory for a K of k_blocks scale blocks: as many stages as K
     // has, up to kStages, so that short-K CTAs fit more per SM.
     static int shared_bytes(int k_blocks) {
         const int stages = (k_blocks + kStageBlocks - 1) / kStageBlocks;
         return kStageBytes * (stages < kStages ? stages : kStages);
     }
+    // The most any launch uses: all stages, or the epilogue's staging buffer.
+    static int max_shared_bytes(int epilogue_bytes) {
+        return kStageBytes * kStages > epilogue_bytes ? kStageBytes * kStages : epilogue_bytes;
+    }
 };
 
-// acc[m-tile][n-tile][4] = sum over k_blocks scale blocks of
-//     (W block . A block) * w_scale * a_scale
-// for this warp's 32 weight rows and kWarpTiles*8 tokens. The weight rows sit
-// on the MMA's M side, so a handful of tokens still fills it.
+// acc[m-tile][n-tile][4] = W . A over k_blocks scale blocks, for this warp's
+// 32 weight rows and kWarpTiles*8 tokens, W and A dequantised exactly (the
+// weights here, fp4 -> bf16 times their block scale; the activations by Qa).
+// The weight rows sit on the MMA's M side, so a handful of tokens fills it.
 //   weight_row_of(r)  row, within the expert's `weight` and `weight_scale`, of
 //                     the CTA's local weight row r (0..kRows-1);
-//   act_row_of(i)     row of `act` and `act_scale` holding the tile's token i,
-//                     -1 past the tile's end: zero-filled, finite, discarded.
-// Rows are k_padded values long: k_padded/2 weight bytes, k_padded/32 scales.
-template <int NT, typename WeightRowOf, typename ActRowOf>
+//   act_row_of(i)     row of `act` holding the tile's token i, -1 past the
+//                     tile's end: zero-filled, finite, discarded.
+// Rows are k_padded values long: k_padded/2 weight bytes, k_padded/32 scales,
+// k_padded bf16 activations.
+template <typename S, typename WeightRowOf, typename ActRowOf>
 __device__ __forceinline__ void gemm_mainloop(
-        float (&acc)[2][GemmShape<NT>::kWarpTiles][4], uint8_t* smem,
+        float (&acc)[2][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
-        const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
-        int k_padded, int k_blocks) {
-    using S = GemmShape<NT>;
-    constexpr int WT = S::kWarpTiles;
+        const __nv_bfloat16* __restrict__ act, ActRowOf act_row_of, int k_padded, int k_blocks) {
+    constexpr int WT = S::kWarpTiles, SB = S::kStageBlocks, kStages = S::kStages;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int row_warp = warp % kRowWarps, first_tile = S::first_token(warp) / 8;
-    const int g = lane >> 2, t = lane & 3;
-    const int n_stages = (k_blocks + kStageBlocks - 1) / kStageBlocks;
+    const int n_stages = (k_blocks + SB - 1) / SB;
     const int scale_len = k_padded / kScaleBlock;
 
-    // The rows this thread copies: 16-byte chunk tid%8 of weight rows
-    // tid/8 + j*kThreads/8, the scales of weight row tid, 16-byte chunk tid%16
-    // of token rows tid/16 + j*kThreads/16, and half tid%2 of token tid/2's scales.
-    uint32_t weight_row[S::kWeightLoadsPerThread];
+    // The rows this thread copies: 16-byte chunk tid%SB of weight rows
+    // tid/SB + j*kThreads/SB, the scales of weight row tid, and 16-byte chunk
+    // tid%(4*SB) of token rows tid/(4*SB) + j*kThreads/(4*SB).
+    uint32_t weight_row[S::kWeightChunks];
 #pragma unroll
-    for (int j = 0; j < S::kWeightLoadsPerThread; ++j)
-        weight_row[j] = weight_row_of((tid >> 3) + j * (S::kThreads / 8)) * (uint32_t)(k_padded / 2);
+    for (int j = 0; j < S::kWeightChunks; ++j)
+        weight_row[j] = weight_row_of(tid / SB + j * (S::kThreads / SB)) * (uint32_t)(k_padded / 2);
     const uint32_t weight_scale_row = weight_row_of(tid % kRows) * (uint32_t)scale_len;
-    int act_row[S::kActLoadsPerThread];
+    int act_row[S::kActChunks];
 #pragma unroll
-    for (int j = 0; j < S::kActLoadsPerThread; ++j) act_row[j] = act_row_of((tid >> 4) + j * (S::kThreads / 16));
-    const int act_scale_src = tid < 2 * S::kTokens ? act_row_of(tid >> 1) : -1;
+    for (int j = 0; j < S::kActChunks; ++j)
+        act_row[j] = act_row_of(tid / S::kActRowChunks + j * (S::kThreads / S::kActRowChunks));
 
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -392,95 +436,109 @@ __device__ __forceinline__ void gemm_mainloop(
         uint8_t* w_s = smem + slot * S::kStageBytes;
         uint8_t* ws_s = w_s + S::kWeightBytes;
         uint8_t* a_s = ws_s + S::kWeightScaleBytes;
-        uint8_t* as_s = a_s + S::kActBytes;
 #pragma unroll
-        for (int j = 0; j < S::kWeightLoadsPerThread; ++j)
-            cp_async_16(w_s + ((tid >> 3) + j * (S::kThreads / 8)) * kWeightStride + (tid & 7) * 16,
-                        weight + weight_row[j] + stage * kStageWeightBytes + (tid & 7) * 16, true);
+        for (int j = 0; j < S::kWeightChunks; ++j)
+            cp_async_16(w_s + (tid / SB + j * (S::kThreads / SB)) * S::kWeightStride + (tid % SB) * 16,
+                        weight + weight_row[j] + stage * SB * 16 + (tid % SB) * 16, true);
         if (tid < kRows)
-            cp_async_8(ws_s + tid * kStageBlocks, weight_scale + weight_scale_row + stage * kStageBlocks);
 #pragma unroll
-        for (int j = 0; j < S::kActLoadsPerThread; ++j) {
-            const int row = (tid >> 4) + j * (S::kThreads / 16);
-            if (row < S::kTokens)
-                cp_async_16(a_s + row * kActStride + (tid & 15) * 16,
-                            act + (size_t)max(act_row[j], 0) * k_padded + stage * kStageActBytes + (tid & 15) * 16,
-                            act_row[j] >= 0);
+            for (int c = 0; c < SB; c += 8)   // scale rows are only 8-byte aligned
+                cp_async_small<(SB < 8 ? SB : 8)>(ws_s + tid * SB + c, weight_scale + weight_scale_row + stage * SB + c);
+        const int chunk = tid % S::kActRowChunks;
+#pragma unroll
+        for (int j = 0; j < S::kActChunks; ++j)
+            cp_async_16(a_s + (tid / S::kActRowChunks + j * (S::kThreads / S::kActRowChunks)) * S::kActStride
+                            + chunk * 16,
+                        act + (size_t)max(act_row[j], 0) * k_padded + stage * SB * kScaleBlock + chunk * 8,
+                        act_row[j] >= 0);
+    };
+
+    // Blocks [0, n_blocks) of a stage, with the stage's scale bytes of rows g
+    // and g+8 of each m-tile. kWide: some weight scale is above 128, so every
+    // block takes both multipliers (see weight_multiplier_low). Called with a
+    // constant kWide, so each call inlines its own loop.
+    uint32_t scales[2][2][SB / 4];
+    auto compute_blocks = [&](const bool kWide, const uint8_t* w_s, const uint8_t* a_s, int n_blocks) {
+#pragma unroll
+        for (int bp = 0; bp < SB; bp += 2) {
+            if (bp >= n_blocks) break;
+            // Per m-tile: word t of rows g and g+8 of blocks bp and bp+1.
+            uint32_t w[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+                ldmatrix_x4(w[mt], w_s + (row_warp * kRowsPerWarp + mt * 16 + (lane & 15)) * S::kWeightStride
+                                       + (bp + (lane >> 4)) * 16);
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int block = bp + q;
+                if (block >= n_blocks) break;
+                // A fragments of both k16 steps of the block: [m-tile][step][reg].
+                uint32_t a[2][2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint32_t word = w[mt][2 * q + h];
+                        const uint32_t s4 = scales[mt][h][block / 4];
+                        uint32_t low, high = 0;
+                        if (kWide) {
+                            const uint32_t s = (s4 >> (8 * (block % 4))) & 0xFFu;
+                            low = weight_multiplier_low(s);
+                            high = weight_multiplier_high(s);
+                        } else {
+                            low = weight_multiplier_of_byte(s4, block % 4);
+                        }
+                        uint32_t p[4] = {fp4_pair_to_bf16<0>(word), fp4_pair_to_bf16<1>(word),
+                                         fp4_pair_to_bf16<2>(word), fp4_pair_to_bf16<3>(word)};
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            p[j] = bf16x2_mul(p[j], low);
+                            if (kWide) p[j] = bf16x2_mul(p[j], high);
+                        }
+                        // Step s: pair 2s at reg h (k 2t..2t+1), pair 2s+1 at reg 2+h (k 2t+8..).
+                        a[mt][0][h] = p[0];
+                        a[mt][0][2 + h] = p[1];
+                        a[mt][1][h] = p[2];
+                        a[mt][1][2 + h] = p[3];
+                    }
+#pragma unroll
+                for (int nt = 0; nt < WT; ++nt) {
+                    // The block's 32 k of this n-tile's 8 tokens: regs (0,1) step 0, (2,3) step 1.
+                    uint32_t b[4];
+                    ldmatrix_x4(b, a_s + ((first_tile + nt) * 8 + (lane & 7)) * S::kActStride
+                                     + block * kScaleBlock * 2 + (lane >> 3) * 16);
+#pragma unroll
+                    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                        for (int s = 0; s < 2; ++s)
+                            mma_bf16(acc[mt][nt], a[mt][s][0], a[mt][s][1], a[mt][s][2], a[mt][s][3],
+                                     b[2 * s], b[2 * s + 1]);
+                }
+            }
         }
-        if (tid < 2 * S::kTokens)
-            cp_async_16(as_s + tid * 16,
-                        act_scale + (size_t)max(act_scale_src, 0) * scale_len + stage * kStageBlocks + (tid & 1) * 4,
-                        act_scale_src >= 0);
     };
 
     auto compute_stage = [&](int slot, int stage) {
         const uint8_t* w_s = smem + slot * S::kStageBytes;
         const uint8_t* ws_s = w_s + S::kWeightBytes;
         const uint8_t* a_s = ws_s + S::kWeightScaleBytes;
-        const float* as_s = reinterpret_cast<const float*>(a_s + S::kActBytes);
-        const int n_blocks = min(kStageBlocks, k_blocks - stage * kStageBlocks);
-        // The stage's 8 scale bytes of rows g and g+8 of each m-tile, biased.
-        uint2 w_scales[2][2];
+        const int n_blocks = min(SB, k_blocks - stage * SB);
+        const int g = lane >> 2;
+        bool wide = false;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint2 raw = *reinterpret_cast<const uint2*>(
-                    ws_s + (row_warp * kRowsPerWarp + mt * 16 + g + 8 * h) * kStageBlocks);
-                w_scales[mt][h] = make_uint2(e8m0_biased_x4(raw.x), e8m0_biased_x4(raw.y));
-            }
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int bp = 0; bp < kStageBlocks; bp += 2) {
-            if (bp >= n_blocks) break;
-            // Per m-tile: word t of rows g and g+8, for blocks bp and bp+1,
-            // converted to the four E4M3 A registers of each block.
-            uint32_t a_op[2][2][4];
-            float w_scale[2][2][2];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                uint32_t w[4];
-                ldmatrix_x4(w, w_s + (row_warp * kRowsPerWarp + mt * 16 + (lane & 15)) * kWeightStride
-                                   + (bp + (lane >> 4)) * 16);
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    a_op[q][mt][0] = fp4_low_nibbles_to_e4m3(w[2 * q]);
-                    a_op[q][mt][1] = fp4_low_nibbles_to_e4m3(w[2 * q + 1]);
-                    a_op[q][mt][2] = fp4_high_nibbles_to_e4m3(w[2 * q]);
-                    a_op[q][mt][3] = fp4_high_nibbles_to_e4m3(w[2 * q + 1]);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint32_t word = bp < 4 ? w_scales[mt][h].x : w_scales[mt][h].y;
-                        w_scale[q][mt][h] = (bp + q) % 4 == 0 ? biased_scale_byte<0>(word)
-                                          : (bp + q) % 4 == 1 ? biased_scale_byte<1>(word)
-                                          : (bp + q) % 4 == 2 ? biased_scale_byte<2>(word)
-                                                              : biased_scale_byte<3>(word);
-                    }
+                for (int i = 0; i < SB / 4; ++i) {
+                    scales[mt][h][i] = *reinterpret_cast<const uint32_t*>(
+                        ws_s + (row_warp * kRowsPerWarp + mt * 16 + g + 8 * h) * SB + 4 * i);
+                    wide |= any_scale_above_128(scales[mt][h][i]);
                 }
-            }
-#pragma unroll
-            for (int nt = 0; nt < WT; ++nt) {
-                // Both 16-byte halves of blocks bp and bp+1 for this n-tile's tokens.
-                const int token0 = (first_tile + nt) * 8;
-                uint32_t b[4];
-                ldmatrix_x4(b, a_s + (token0 + (lane & 7)) * kActStride
-                                 + (bp + (lane >> 4)) * 32 + ((lane >> 3) & 1) * 16);
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    if (bp + q >= n_blocks) break;
-                    const float x0 = as_s[(token0 + 2 * t) * kStageBlocks + bp + q];
-                    const float x1 = as_s[(token0 + 2 * t + 1) * kStageBlocks + bp + q];
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        float d[4];
-                        mma_e4m3(d, a_op[q][mt], b[2 * q], b[2 * q + 1]);
-                        acc[mt][nt][0] = fmaf(d[0], w_scale[q][mt][0] * x0, acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(d[1], w_scale[q][mt][0] * x1, acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(d[2], w_scale[q][mt][1] * x0, acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(d[3], w_scale[q][mt][1] * x1, acc[mt][nt][3]);
-                    }
-                }
-            }
-        }
+        if (__any_sync(0xffffffffu, wide))
+            compute_blocks(true, w_s, a_s, n_blocks);
+        else
+            compute_blocks(false, w_s, a_s, n_blocks);
     };
 
     // kStages-deep cp.async pipeline. When K has fewer stages than that, the
@@ -526,19 +584,19 @@ __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const i
 STAGE1_SOURCE = r"""
 namespace moe {
 
-// Qa of the hidden states into the MMA layout. CTA (token, y) quantises the
-// eight scale blocks [8y, 8y+8) of the token's row, one per warp, and zeroes
-// the same 256 columns of the fp32 accumulator that stage 2 adds into.
+// Qa of the hidden states into the bf16 activation layout. CTA (token, y)
+// quantises the eight scale blocks [8y, 8y+8) of the token's row, one per
+// warp, and zeroes the same 256 columns of the fp32 accumulator that stage 2
+// adds into.
 constexpr int kQuantizeWarps = 8;
 __global__ void __launch_bounds__(kQuantizeWarps * 32) quantize_hidden_kernel(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
-        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
+        __nv_bfloat16* __restrict__ act, float* __restrict__ accumulator) {
     const int token = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.y * kQuantizeWarps + warp;
     const int k = b * kScaleBlock + lane;
     const float v = k < d_hidden ? __bfloat162float(hidden[(size_t)token * d_hidden + k]) : 0.0f;
-    quantize_block_warp(v, lane, act + (size_t)token * d_hidden_pad + b * kScaleBlock,
-                        act_scale + (size_t)token * (d_hidden_pad / kScaleBlock) + b);
+    quantize_block_warp(v, lane, act + (size_t)token * d_hidden_pad + b * kScaleBlock);
     accumulator[(size_t)token * d_hidden_pad + k] = 0.0f;
 }
 
@@ -548,15 +606,15 @@ constexpr int kStage1HStride = kStage1Columns + 4;
 // CTA (tile, blockIdx.y): intermediate columns [64*y, 64*y+64) of the tile's
 // rows. Each row warp owns 16 columns: its m-tile 0 holds their gate rows and
 // m-tile 1 the matching up rows, so SwiGLU needs no data exchange.
-template <int NT>
-__global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage1_kernel(
+template <int NT, int SB, int STAGES>
+__global__ void __launch_bounds__(GemmShape<NT, SB, STAGES>::kThreads, 1) stage1_kernel(
         const uint8_t* __restrict__ gate_up_weight, const uint8_t* __restrict__ gate_up_scale,
-        const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
+        const __nv_bfloat16* __restrict__ act,
         const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int top_k, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad,
-        uint8_t* __restrict__ inter, float* __restrict__ inter_scale) {
-    using S = GemmShape<NT>;
+        __nv_bfloat16* __restrict__ inter) {
+    using S = GemmShape<NT, SB, STAGES>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
@@ -572,7 +630,7 @@ __global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage1_kernel(
     auto token_of = [&](int i) { return i < tile.rows ? sorted_pairs[tile.row_start + i] / top_k : -1; };
 
     float acc[2][S::kWarpTiles][4];
-    gemm_mainloop<NT>(acc, smem, weight, scale, weight_row_of, act, act_scale, token_of,
+    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, act, token_of,
                       d_hidden_pad, (d_hidden + kScaleBlock - 1) / kScaleBlock);
 
     // h = bf16(silu(gate) * up), zero in the padding columns, then Qa per
@@ -592,13 +650,11 @@ __global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage1_kernel(
                 col0 + local_col < d_expert ? __bfloat162float(__float2bfloat16_rn(value)) : 0.0f;
         }
     __syncthreads();
-    const int scale_len = d_expert_pad / kScaleBlock;
     for (int item = warp; item < tile.rows * 2; item += S::kWarps) {
         const int token = item >> 1, block = item & 1;
         const size_t row = tile.row_start + token;
         quantize_block_warp(h[token * kStage1HStride + block * 32 + lane], lane,
-                            inter + row * d_expert_pad + col0 + block * 32,
-                            inter_scale + row * scale_len + col0 / kScaleBlock + block);
+                            inter + row * d_expert_pad + col0 + block * 32);
     }
 }
 
@@ -625,15 +681,14 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
 // rows, scaled by each row's routing weight and added into the fp32
 // accumulator. Rows are transposed through shared memory so that each add
 // covers four consecutive columns of one token.
-template <int NT>
-__global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage2_kernel(
+template <int NT, int SB, int STAGES>
+__global__ void __launch_bounds__(GemmShape<NT, SB, STAGES>::kThreads, 1) stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
-        const uint8_t* __restrict__ inter, const float* __restrict__ inter_scale,
-        const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
+        const __nv_bfloat16* __restrict__ inter, const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         const float* __restrict__ topk_weights, int top_k,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator) {
-    using S = GemmShape<NT>;
+    using S = GemmShape<NT, SB, STAGES>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
@@ -645,7 +700,7 @@ __global__ void __launch_bounds__(GemmShape<NT>::kThreads, 1) stage2_kernel(
     auto row_of = [&](int i) { return i < tile.rows ? tile.row_start + i : -1; };
 
     float acc[2][S::kWarpTiles][4];
-    gemm_mainloop<NT>(acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of,
+    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, inter, row_of,
                       d_expert_pad, (d_expert + kScaleBlock - 1) / kScaleBlock);
 
     float* y = reinterpret_cast<float*>(smem);
@@ -688,17 +743,14 @@ __global__ void convert_output_kernel(const float* __restrict__ accumulator, int
 
 // Explicit instantiations, so that a plain nvcc compile of this source (the
 // CI build check) produces and reports every kernel.
-#define MOE_INSTANTIATE(NT)                                                                      \
-    template __global__ void stage1_kernel<NT>(const uint8_t*, const uint8_t*, const uint8_t*,  \
-        const float*, const int*, const int*, const int2*, const int*, int, int, int, int, int,  \
-        uint8_t*, float*);                                                                       \
-    template __global__ void stage2_kernel<NT>(const uint8_t*, const uint8_t*, const uint8_t*,  \
-        const float*, const int*, const int*, const int2*, const int*, const float*, int, int,   \
-        int, int, int, float*);
-MOE_INSTANTIATE(1)
-MOE_INSTANTIATE(2)
-MOE_INSTANTIATE(4)
-MOE_INSTANTIATE(8)
+#define MOE_INSTANTIATE(NT, SB, STAGES)                                                          \
+    template __global__ void stage1_kernel<NT, SB, STAGES>(const uint8_t*, const uint8_t*,      \
+        const __nv_bfloat16*, const int*, const int*, const int2*, const int*, int, int, int, int, \
+        int, __nv_bfloat16*);                                                                    \
+    template __global__ void stage2_kernel<NT, SB, STAGES>(const uint8_t*, const uint8_t*,      \
+        const __nv_bfloat16*, const int*, const int*, const int2*, const int*, const float*, int,  \
+        int, int, int, int, float*);
+MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
 
 }  // namespace moe
@@ -706,7 +758,8 @@ MOE_INSTANTIATE(8)
 
 # Everything that runs on the device, with no torch headers: CI compiles this
 # alone with nvcc for sm_90a to catch build breaks without a GPU.
-KERNEL_SOURCE = COMMON_SOURCE + ROUTING_SOURCE + GEMM_SOURCE + STAGE1_SOURCE + STAGE2_SOURCE
+KERNEL_SOURCE = (COMMON_SOURCE + ROUTING_SOURCE + GEMM_CONFIG_SOURCE + GEMM_SOURCE + STAGE1_SOURCE
+                 + STAGE2_SOURCE)
 
 # ===========================================================================
 # Host bindings
@@ -739,29 +792,35 @@ void allow_shared_memory(Kernel kernel, int max_bytes) {
     done.insert(key);
 }
 
-template <int NT>
+__nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
+    return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>());
+}
+
+template <int NT, int SB, int STAGES>
 void launch_gemms(cudaStream_t stream, int max_tiles, const torch::Tensor& gate_up_weight,
                   const torch::Tensor& gate_up_scale, const torch::Tensor& down_weight,
-                  const torch::Tensor& down_scale, const torch::Tensor& act, const torch::Tensor& act_scale,
+                  const torch::Tensor& down_scale, const torch::Tensor& act,
                   const int* sorted_pairs, const int* expert_offsets, const int2* tiles, const int* num_tiles,
                   const torch::Tensor& topk_weights, int top_k, int d_hidden, int d_hidden_pad, int d_expert,
-                  int d_expert_pad, torch::Tensor& inter, torch::Tensor& inter_scale, torch::Tensor& accumulator) {
-    using S = GemmShape<NT>;
-    const int smem1 = S::shared_bytes((d_hidden + kScaleBlock - 1) / kScaleBlock);
-    const int smem2 = S::shared_bytes((d_expert + kScaleBlock - 1) / kScaleBlock);
-    allow_shared_memory(stage1_kernel<NT>, S::kStageBytes * kStages);
-    allow_shared_memory(stage2_kernel<NT>, S::kStageBytes * kStages);
+                  int d_expert_pad, torch::Tensor& inter, torch::Tensor& accumulator) {
+    using S = GemmShape<NT, SB, STAGES>;
+    // The pipeline's stages, or the epilogue's staging buffer if larger.
+    const int smem1 = std::max(S::shared_bytes((d_hidden + kScaleBlock - 1) / kScaleBlock),
+                               S::kTokens * kStage1HStride * (int)sizeof(float));
+    const int smem2 = std::max(S::shared_bytes((d_expert + kScaleBlock - 1) / kScaleBlock),
+                               S::kTokens * kStage2YStride * (int)sizeof(float));
+    allow_shared_memory(stage1_kernel<NT, SB, STAGES>, S::max_shared_bytes(S::kTokens * kStage1HStride * 4));
+    allow_shared_memory(stage2_kernel<NT, SB, STAGES>, S::max_shared_bytes(S::kTokens * kStage2YStride * 4));
     const dim3 grid1(max_tiles, (d_expert + kStage1Columns - 1) / kStage1Columns);
-    stage1_kernel<NT><<<grid1, S::kThreads, smem1, stream>>>(
+    stage1_kernel<NT, SB, STAGES><<<grid1, S::kThreads, smem1, stream>>>(
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
-        act.data_ptr<uint8_t>(), act_scale.data_ptr<float>(), sorted_pairs, expert_offsets, tiles, num_tiles,
-        top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad,
-        inter.data_ptr<uint8_t>(), inter_scale.data_ptr<float>());
+        bf16_ptr(act), sorted_pairs, expert_offsets, tiles, num_tiles,
+        top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, bf16_ptr(inter));
     MOE_CUDA_CHECK(cudaGetLastError());
     const dim3 grid2(max_tiles, (d_hidden + kRows - 1) / kRows);
-    stage2_kernel<NT><<<grid2, S::kThreads, smem2, stream>>>(
+    stage2_kernel<NT, SB, STAGES><<<grid2, S::kThreads, smem2, stream>>>(
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
-        inter.data_ptr<uint8_t>(), inter_scale.data_ptr<float>(), sorted_pairs, expert_offsets, tiles, num_tiles,
+        bf16_ptr(inter), sorted_pairs, expert_offsets, tiles, num_tiles,
         topk_weights.data_ptr<float>(), top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad,
         accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
@@ -776,15 +835,19 @@ void launch_gemms(cudaStream_t stream, int max_tiles, const torch::Tensor& gate_
 torch::Tensor moe_forward(
         torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
-        torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens) {
+        torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
+        int64_t stage_blocks, int64_t stages) {
     using namespace moe;
-    TORCH_CHECK(tile_tokens == 8 || tile_tokens == 16 || tile_tokens == 32 || tile_tokens == 64,
-                "moe_mxfp4: tile_tokens must be 8, 16, 32 or 64, got ", tile_tokens);
+    bool known = false;
+#define MOE_KNOWN(NT, SB, STAGES) known |= tile_tokens == 8 * NT && stage_blocks == SB && stages == STAGES;
+    MOE_GEMM_CONFIGS(MOE_KNOWN)
+#undef MOE_KNOWN
+    TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens,
+                ", stage_blocks=", stage_blocks, ", stages=", stages);
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
     const int num_pairs = m * top_k;
-    const auto byte_opts = hidden_states.options().dtype(torch::kUInt8);
     const auto int_opts = hidden_states.options().dtype(torch::kInt32);
     const auto float_opts = hidden_states.options().dtype(torch::kFloat32);
     auto out = torch::empty({m, d_hidden}, hidden_states.options());
@@ -800,10 +863,8 @@ torch::Tensor moe_forward(
     int* expert_offsets = num_tiles + 1;
     int* sorted_pairs = expert_offsets + n_experts + 1;
     int* bad_ids = sorted_pairs + num_pairs;
-    auto act = torch::empty({m, d_hidden_pad}, byte_opts);
-    auto act_scale = torch::empty({m, d_hidden_pad / kScaleBlock}, float_opts);
-    auto inter = torch::empty({num_pairs, d_expert_pad}, byte_opts);
-    auto inter_scale = torch::empty({num_pairs, d_expert_pad / kScaleBlock}, float_opts);
+    auto act = torch::empty({m, d_hidden_pad}, hidden_states.options());
+    auto inter = torch::empty({num_pairs, d_expert_pad}, hidden_states.options());
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
@@ -815,18 +876,15 @@ torch::Tensor moe_forward(
     MOE_CUDA_CHECK(cudaGetLastError());
     quantize_hidden_kernel<<<dim3(m, d_hidden_pad / (kQuantizeWarps * kScaleBlock)), kQuantizeWarps * 32, 0, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(hidden_states.data_ptr<at::BFloat16>()), (int)d_hidden,
-        d_hidden_pad, act.data_ptr<uint8_t>(), act_scale.data_ptr<float>(), accumulator.data_ptr<float>());
+        d_hidden_pad, bf16_ptr(act), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
-#define MOE_LAUNCH(NT) launch_gemms<NT>(stream, max_tiles, gate_up_weight, gate_up_scale, down_weight, \
-        down_scale, act, act_scale, sorted_pairs, expert_offsets, tiles, num_tiles, topk_weights, top_k,  \
-        (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter, inter_scale, accumulator)
-    switch (tile_tokens) {
-        case 8: MOE_LAUNCH(1); break;
-        case 16: MOE_LAUNCH(2); break;
-        case 32: MOE_LAUNCH(4); break;
-        default: MOE_LAUNCH(8); break;
-    }
+#define MOE_LAUNCH(NT, SB, STAGES)                                                                \
+    if (tile_tokens == 8 * NT && stage_blocks == SB && stages == STAGES)                            \
+        launch_gemms<NT, SB, STAGES>(stream, max_tiles, gate_up_weight, gate_up_scale, down_weight, \
+            down_scale, act, sorted_pairs, expert_offsets, tiles, num_tiles, topk_weights, top_k,   \
+            (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter, accumulator);
+    MOE_GEMM_CONFIGS(MOE_LAUNCH)
 #undef MOE_LAUNCH
 
     const int threads = 256;
@@ -844,7 +902,8 @@ HOST_DECLARATION = """
 torch::Tensor moe_forward(
     torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
-    torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens);
+    torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
+    int64_t stage_blocks, int64_t stages);
 """
 
 # ===========================================================================
@@ -942,21 +1001,20 @@ def _build_kernels(arch: str):
 # ===========================================================================
 # Dispatch
 # ===========================================================================
-class KernelConfig(NamedTuple):
-    tile_tokens: int   # token rows per GEMM tile: 8, 16, 32 or 64
-
-
 def choose_config(m: int, top_k: int, n_experts: int, d_expert: int) -> KernelConfig:
-    """Tile shape for a call, from measurements (BENCHMARKS.md, the tile
-    sweep of tools/profile_kernels.py). Tiles hold one expert's tokens. Small
-    tiles won everywhere up to 64 tokens per expert: re-reading an expert's
-    weights for each tile mostly hits L2, while big tiles waste MMA work on
-    the many experts with few tokens. Past that, larger tiles cut the re-reads,
-    the more so the larger the expert."""
+    """GEMM configuration for a call, from the sweep of tools/profile_kernels.py
+    (BENCHMARKS.md). Tiles hold one expert's tokens, so few tokens per expert
+    want 8-token tiles: re-reading an expert's weights per tile mostly hits
+    L2, while wide tiles waste MMA work. More tokens per expert want wider
+    tiles, whose bf16 activations then take smaller pipeline stages so that
+    two CTAs still fit per SM. (Stages of 4 or 16 blocks, or 2-3 stages,
+    measured slower for 8-token tiles.)"""
     tokens_per_expert = m * top_k / max(n_experts, 1)
+    if tokens_per_expert <= 8:
+        return KernelConfig(8, 8, 4)
     if tokens_per_expert <= 64:
-        return KernelConfig(8)
-    return KernelConfig(32 if d_expert <= 512 else 64)
+        return KernelConfig(32, 4, 4)
+    return KernelConfig(64, 8, 3) if d_expert <= 512 else KernelConfig(64, 4, 4)
 
 
 _backend_cache = {}
@@ -1080,7 +1138,7 @@ def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = 
     return module.moe_forward(
         hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
         as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
-        config["d_hidden"], config["d_expert"], kernel_config.tile_tokens)
+        config["d_hidden"], config["d_expert"], *kernel_config)
 
 
 def _run_aiter(fused_moe, data: input_t) -> output_t:

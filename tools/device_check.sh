@@ -2,8 +2,10 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|official|profile|selfbench|bench|all]...   (default: all)
-#   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone)
+#   tools/device_check.sh [tests|official|profile|selfbench|bench|robust|all]...   (default: all)
+#   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
+#    robust = four processes building at once on an empty cache, then compute-sanitizer
+#    memcheck and racecheck over every official benchmark and test shape)
 #
 # The official gpu-mode harness runs from .official/ (git-ignored): copy
 # problems/amd_202602/moe-mxfp4/eval.py and problems/amd_202602/utils.py of
@@ -58,6 +60,32 @@ fi
 if want profile; then
   step "per-kernel times"
   python3 tools/profile_kernels.py 3 2>"$OUT/profile.err" | tee "$OUT/profile.log" || status=1
+fi
+if want robust; then
+  step "four processes importing at once on an empty cache"
+  cache=$(mktemp -d)
+  for i in 1 2 3 4; do
+    MOE_MXFP4_CACHE_DIR=$cache python3 -c "
+import time, torch, reference, solution
+start = time.time()
+data = reference.generate_input(1024, 256, 8, 2, 1, 16, $i)
+ok, message = reference.check_implementation(data, solution.custom_kernel(data))
+print('process $i:', solution._backend(torch.device('cuda'))[0], 'pass' if ok else 'FAIL', message,
+      f'{time.time() - start:.0f} s')" >"$OUT/multi_$i.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/multi_*.log
+  echo "libraries built: $(find "$cache" -name '*.so' | wc -l); compile units: $(find "$cache" -name '*.o' | wc -l)"
+  grep -q "FAIL\|Error" "$OUT"/multi_*.log && status=1
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer $tool (our kernels only)"
+    compute-sanitizer --tool $tool --kernel-name kns=moe --error-exitcode 9 \
+      python3 tools/profile_kernels.py --once all >"$OUT/sanitizer_$tool.log" 2>&1 || status=1
+    tail -4 "$OUT/sanitizer_$tool.log"
+    compute-sanitizer --tool $tool --kernel-name kns=moe --error-exitcode 9 --target-processes all \
+      python3 eval.py test specs/tests.txt >"$OUT/sanitizer_${tool}_tests.log" 2>&1 || status=1
+    tail -3 "$OUT/sanitizer_${tool}_tests.log"
+  done
 fi
 if want bench || want selfbench; then
   step "self-benchmark"

@@ -1,7 +1,10 @@
 """Where a call's time goes, on the official benchmark shapes.
 
     python tools/profile_kernels.py [repeats]   per-kernel device time per call
-    python tools/profile_kernels.py --sweep     each tile size the chooser can pick, timed
+    python tools/profile_kernels.py --sweep     each GEMM config the chooser can pick, timed
+    python tools/profile_kernels.py --once N    benchmark shape N (0-6, or all) called twice, for ncu
+                                                and compute-sanitizer:
+        ncu -k regex:stage1 -s 5 -c 1 --set full python tools/profile_kernels.py --once 0
 
 The per-kernel view runs each shape under torch.profiler. The sweep times
 every tile_tokens for every shape (median of event-timed calls after an L2
@@ -46,23 +49,34 @@ def per_kernel(repeats: int) -> None:
 def sweep() -> None:
     module = solution._backend(torch.device("cuda"))[1]
     timer = harness.cuda_timer()
-    tiles = (8, 16, 32, 64)
-    print(f"{'shape':<30}" + "".join(f"{'tile ' + str(t):>10}" for t in tiles) + "   chosen")
+    configs = solution.GEMM_CONFIGS
+    print(f"{'shape':<28}" + "".join(f"{'%d/%d/%d' % c:>10}" for c in configs) + "   chosen")
     for label, data in benchmark_inputs():
         m, top_k, n_experts = data[0].shape[0], data[10].shape[1], data[1].shape[0]
         row = []
-        for tile in tiles:
-            config = solution.KernelConfig(tile)
+        for config in configs:
             call = lambda d: solution._run_kernels(module, d, config)  # noqa: E731
             call(data)
             times = sorted(timer.time_call(call, data)[1] / 1e3 for _ in range(15))
             row.append(times[len(times) // 2])
-        chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"]).tile_tokens
-        print(f"{label:<30}" + "".join(f"{us:10.1f}" for us in row) + f"   {chosen}", flush=True)
+        chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"])
+        print(f"{label:<28}" + "".join(f"{us:10.1f}" for us in row) + "   %d/%d/%d" % chosen, flush=True)
+    print("columns: tile tokens / scale blocks per stage / stages; median us of 15 calls")
+
+
+def once(which: str) -> None:
+    shapes = list(benchmark_inputs())
+    for label, data in shapes if which == "all" else [shapes[int(which)]]:
+        for _ in range(2):
+            solution.custom_kernel(data)
+        torch.cuda.synchronize()
+        print(label, "done", flush=True)
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--sweep"]:
         sweep()
+    elif sys.argv[1:2] == ["--once"]:
+        once(sys.argv[2])
     else:
         per_kernel(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
