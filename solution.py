@@ -5,8 +5,8 @@ activations are quantised to MXFP4 (Qa) before each expert GEMM, weights are
 MXFP4 with E8M0 block scales, and the result matches AITER's fused_moe up to
 fp32 summation order.
 
-On an NVIDIA GPU with fp8 tensor cores (sm_89 and newer; sm_90a on Hopper) it
-runs five kernels, built on first use with torch's load_inline and cached:
+On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs five
+kernels, built on first use with torch's load_inline and cached:
 
   routing      per-expert token counts, offsets, the sorted (token, slot) list
                and the tile table, on the device (one CTA);
@@ -15,17 +15,17 @@ runs five kernels, built on first use with torch's load_inline and cached:
   stage 2      down GEMM, weighted by topk_weights, added into the accumulator;
   convert      fp32 accumulator to the bf16 output.
 
-Both GEMMs read the raw (unshuffled) weights: each 16-byte run of a raw row is
-one 32-value scale block, exactly what one m16n8k32 e4m3 mma.sync consumes, so
-16-byte copies of raw rows feed the MMAs directly; AITER's shuffled layout
-serves its CK kernels' register layout, not ours. (On sm_90, ptxas runs that
-mma.sync as F2FP conversions to fp16 plus two HMMA.16816: Hopper's fp8 tensor
-cores are reachable only through wgmma.)
+Both GEMMs read the raw (unshuffled) weights, 16-byte runs of raw rows (one
+32-value scale block each) copied straight into shared memory; AITER's
+shuffled layout serves its CK kernels' register layout, not ours.
 
-Exactness. E2M1 values are exact in FP8 E4M3, and a 32-term dot product of
-E2M1 x E2M1 values is exact in fp32, so each MMA over one scale block gives the
-exact block dot product; the two power-of-two block scales are applied to it in
-fp32. The result is the exact a4w4 value up to fp32 summation order.
+Exactness. An E2M1 value times a power of two is exact in bf16, so the GEMMs
+run bf16 mma.sync on operands that carry their block scales: the weights are
+converted fp4 -> bf16 times their E8M0 scale in registers, and Qa writes its
+dequantised activations as bf16. Every product is exact and the MMA sums the
+whole K in fp32: the exact a4w4 value up to fp32 summation order. (The e4m3
+mma.sync that an fp8 path would use runs on sm_90 as F2FP conversions plus
+fp16 HMMA; Hopper's fp8 tensor cores are reachable only through wgmma.)
 
 On ROCm with AITER importable, AITER's fused_moe runs (as the official
 submission template does; our kernels have not been verified on AMD). Anywhere
@@ -915,7 +915,8 @@ MAX_EXPERTS = int(re.search(r"kMaxExperts = (\d+);", COMMON_SOURCE).group(1))
 
 
 def _cuda_arch(capability) -> Optional[str]:
-    """TORCH_CUDA_ARCH_LIST entry for a compute capability, or None without fp8 MMA (before sm_89)."""
+    """TORCH_CUDA_ARCH_LIST entry for a compute capability, or None before sm_89. (The kernels
+    need only sm_80's bf16 mma.sync, but nothing older than sm_89 has been tested.)"""
     major, minor = capability
     if (major, minor) < (8, 9):
         return None
@@ -1046,7 +1047,8 @@ def _backend(device: torch.device):
 def _cuda_backend(capability):
     arch = _cuda_arch(capability)
     if arch is None:
-        _warn_fallback(f"compute capability {capability[0]}.{capability[1]} has no fp8 tensor cores (needs 8.9+)")
+        _warn_fallback(f"compute capability {capability[0]}.{capability[1]} is older than the kernels are "
+                       "tested for (8.9+)")
         return ("torch", None)
     try:
         return ("cuda", _build_kernels(arch))
@@ -1215,9 +1217,7 @@ BENCHMARK_SHAPES = [  # (bs, routed experts, d_expert, seed, AITER MI355X us)
     (512, 32, 2048, 81934, 380.4)]
 D_HIDDEN, TOP_K, N_SHARED = 7168, 8, 1
 # H200 ceilings measured for SPEC section 7: HBM read bandwidth and the bf16
-# MMA rate. The kernels' e4m3 mma.sync runs on sm_90 as F2FP conversions plus
-# fp16 HMMA (there is no fp8 mma.sync unit; the SASS shows it), so the 16-bit
-# rate is the one that bounds them, not SPEC's fp8 rate.
+# MMA rate, the one that bounds the kernels' bf16 mma.sync.
 READ_BYTES_PER_S, MMA_FLOPS_PER_S = 4.45e12, 791e12
 
 

@@ -5,6 +5,9 @@
     python tools/profile_kernels.py --once N    benchmark shape N (0-6, or all) called twice, for ncu
                                                 and compute-sanitizer:
         ncu -k regex:stage1 -s 5 -c 1 --set full python tools/profile_kernels.py --once 0
+    python tools/profile_kernels.py --save FILE  the benchmark and test shapes' inputs, to FILE
+    python tools/profile_kernels.py --load FILE  each input in FILE called once: no other kernels run
+        (racecheck fails inside cuBLAS, which the input generator uses, so it runs on saved inputs)
 
 The per-kernel view runs each shape under torch.profiler. The sweep times
 every tile_tokens for every shape (median of event-timed calls after an L2
@@ -73,10 +76,28 @@ def once(which: str) -> None:
         print(label, "done", flush=True)
 
 
+def save(path: str) -> None:
+    cases = [(label, data) for label, data in benchmark_inputs()]
+    with open(os.path.join(os.path.dirname(__file__), "..", "specs", "tests.txt")) as f:
+        cases += [(case.spec, reference.generate_input(**case.args)) for case in harness.parse_specs(f.read())]
+    torch.save(cases, path)
+
+
+def load(path: str) -> None:
+    for label, data in torch.load(path, weights_only=False):
+        solution.custom_kernel(data)
+        torch.cuda.synchronize()
+        print(label, "done", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--sweep"]:
         sweep()
     elif sys.argv[1:2] == ["--once"]:
         once(sys.argv[2])
+    elif sys.argv[1:2] == ["--save"]:
+        save(sys.argv[2])
+    elif sys.argv[1:2] == ["--load"]:
+        load(sys.argv[2])
     else:
         per_kernel(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
