@@ -129,9 +129,7 @@ MOE_HD uint32_t weight_multiplier_low(uint32_t s) {
 MOE_HD uint32_t weight_multiplier_high(uint32_t s) {
     return s == 255u ? 0x7FC07FC0u : bf16x2_pow2((s > 128u ? s : 128u) - 1u);
 }
-// Byte k (0..3) of four scale bytes, all at most 128, as
-// weight_multiplier_low: (s + 126) << 7 in both halves, one byte add for all
-// four and a byte permute.
+// __byte_perm, also on the host (selector nibbles 0..7 only: no sign-replicate mode).
 MOE_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
 #ifdef __CUDA_ARCH__
     return __byte_perm(x, y, selector);
@@ -142,6 +140,9 @@ MOE_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
     return out;
 #endif
 }
+// Byte k (0..3) of four scale bytes, all at most 128, as
+// weight_multiplier_low: (s + 126) << 7 in both halves, one byte add for all
+// four and a byte permute.
 MOE_HD uint32_t weight_multiplier_of_byte(uint32_t four_scales, int k) {
     return byte_perm(four_scales + 0x7E7E7E7Eu, 0u, 0x4040u | (uint32_t)k * 0x101u) << 7;
 }
