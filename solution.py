@@ -64,9 +64,7 @@ namespace moe {
 
 constexpr int kScaleBlock = 32;        // values per E8M0 scale
 constexpr int kMaxExperts = 4096;      // routing keeps 3 ints per expert in shared memory
-constexpr int kRowWarps = 4;           // warps across a GEMM CTA's weight rows
-constexpr int kRowsPerWarp = 32;       // two m16 MMA tiles of weight rows
-constexpr int kRows = kRowWarps * kRowsPerWarp;
+constexpr int kRows = 128;             // weight rows per GEMM CTA
 
 MOE_HD float bits_to_float(uint32_t bits) {
 #ifdef __CUDA_ARCH__
@@ -292,14 +290,21 @@ __global__ void __launch_bounds__(1024) route_kernel(
 # ===========================================================================
 class KernelConfig(NamedTuple):
     tile_tokens: int    # tokens per GEMM tile, a multiple of 8 (one MMA n-tile)
+    warp_rows: int      # weight rows per warp: 16 or 32 (one or two m16 MMA tiles)
+    warp_tokens: int    # tokens per warp, a multiple of 8 dividing tile_tokens
     stage_blocks: int   # scale blocks (32 K values) per cp.async pipeline stage
     stages: int         # pipeline depth
 
+    def __str__(self):
+        return "%d/%dx%d/%d/%d" % self
+
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
-GEMM_CONFIGS = (KernelConfig(8, 8, 4), KernelConfig(32, 4, 4), KernelConfig(64, 4, 4), KernelConfig(64, 8, 3))
+GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4), KernelConfig(16, 16, 16, 8, 4),
+                KernelConfig(64, 16, 64, 4, 4), KernelConfig(64, 32, 64, 4, 4))
 GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
-    f"X({c.tile_tokens // 8}, {c.stage_blocks}, {c.stages})" for c in GEMM_CONFIGS) + "\n"
+    f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages})"
+    for c in GEMM_CONFIGS) + "\n"
 
 GEMM_SOURCE = r"""
 namespace moe {
@@ -316,9 +321,12 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
+// Bytes (4 or 8) global -> shared, of which the first valid_bytes are read
+// and the rest zero-filled.
 template <int Bytes>
-__device__ __forceinline__ void cp_async_small(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" :: "r"(smem_addr(dst)), "l"(src), "n"(Bytes));
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src, int valid_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "n"(Bytes), "r"(valid_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
@@ -355,45 +363,52 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 }
 
 // A GEMM CTA: kRows weight rows x NT*8 tokens, its K streamed through a
-// cp.async pipeline of STAGES stages of SB scale blocks each.
-template <int NT, int SB, int STAGES>
+// cp.async pipeline of STAGES stages of SB scale blocks each. Each warp
+// computes MT m16 tiles of weight rows times WT n8 tiles of tokens: warps
+// with one m-tile convert half the weights each, so twice as many of them
+// share a stage's shared memory; warps with all the tile's tokens convert
+// each weight once per CTA.
+template <int NT, int MT, int WT, int SB, int STAGES>
 struct GemmShape {
+    static_assert((MT == 1 || MT == 2) && NT % WT == 0 && SB % 4 == 0, "GEMM tiling");
     static constexpr int kTokens = NT * 8;
-    // Tiles of 16+ tokens get a second group of four warps for the other half
-    // of the tokens: more warps per SM on the MMA-heavy shapes. (Splitting
-    // one-n-tile tiles' K between two groups instead measured slower.)
-    static constexpr int kTokenGroups = NT >= 2 ? 2 : 1;
-    static constexpr int kWarpTiles = NT / kTokenGroups;   // n8 tiles per warp
-    static constexpr int kWarps = kRowWarps * kTokenGroups;
+    static constexpr int kMTiles = MT, kWarpTiles = WT, kStageBlocks = SB, kStages = STAGES;
+    static constexpr int kWarpRows = MT * 16;
+    static constexpr int kRowWarps = kRows / kWarpRows;
+    static constexpr int kWarps = kRowWarps * (NT / WT);
     static constexpr int kThreads = kWarps * 32;
-    static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * kWarpTiles * 8; }
-    static constexpr int kStageBlocks = SB, kStages = STAGES;
+    static __device__ __forceinline__ int first_row(int warp) { return (warp % kRowWarps) * kWarpRows; }
+    static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * WT * 8; }
     // Row strides padded by 16 bytes, so that the eight 16-byte rows an
     // ldmatrix phase reads fall in eight different bank groups.
-    static constexpr int kWeightStride = kStageBlocks * 16 + 16;
-    static constexpr int kActStride = kStageBlocks * kScaleBlock * 2 + 16;
+    static constexpr int kWeightStride = SB * 16 + 16;
+    static constexpr int kActStride = SB * kScaleBlock * 2 + 16;
     static constexpr int kWeightBytes = kRows * kWeightStride;
-    static constexpr int kWeightScaleBytes = kRows * kStageBlocks;
+    static constexpr int kWeightScaleBytes = kRows * SB;
     static constexpr int kActBytes = kTokens * kActStride;
     static constexpr int kStageBytes = kWeightBytes + kWeightScaleBytes + kActBytes;
-    static constexpr int kWeightChunks = kRows * kStageBlocks / kThreads;       // 16-byte copies per thread
-    static constexpr int kActRowChunks = kStageBlocks * 4;                      // 16-byte chunks per token row
+    static constexpr int kWeightChunks = kRows * SB / kThreads;       // 16-byte copies per thread
+    static constexpr int kActRowChunks = SB * 4;                      // 16-byte chunks per token row
     static constexpr int kActChunks = kTokens * kActRowChunks / kThreads;
-    static_assert(kRows * kStageBlocks % kThreads == 0 && kTokens * kActRowChunks % kThreads == 0, "copy split");
-    // Shared memory for a K of k_blocks scale blocks: as many stages as K
-    // has, up to kStages, so that short-K CTAs fit more per SM.
-    static int shared_bytes(int k_blocks) {
-        const int stages = (k_blocks + kStageBlocks - 1) / kStageBlocks;
-        return kStageBytes * (stages < kStages ? stages : kStages);
-    }
-    // The most any launch uses: all stages, or the epilogue's staging buffer.
-    static int max_shared_bytes(int epilogue_bytes) {
-        return kStageBytes * kStages > epilogue_bytes ? kStageBytes * kStages : epilogue_bytes;
+    static_assert(kThreads >= kRows && kRows * SB % kThreads == 0 && kTokens * kActRowChunks % kThreads == 0,
+                  "copy split");
+    // Stage 2's K (d_expert) is short: its CTAs run a stage or two each and
+    // hide memory latency only behind each other. For tiles of up to 16
+    // tokens, registers are capped at 64 so that 1024 threads fit per SM.
+    static constexpr int kStage2MinBlocks = NT <= 2 ? 1024 / kThreads : 1;
+    // Shared memory of a launch over k_blocks scale blocks whose epilogue
+    // stages epilogue_bytes: as many pipeline stages as K has, up to
+    // kStages (so that short-K CTAs fit more per SM), or the epilogue's
+    // buffer if that is larger.
+    static int shared_bytes(int k_blocks, int epilogue_bytes) {
+        const int stages = (k_blocks + SB - 1) / SB;
+        const int pipeline = kStageBytes * (stages < kStages ? stages : kStages);
+        return pipeline > epilogue_bytes ? pipeline : epilogue_bytes;
     }
 };
 
 // acc[m-tile][n-tile][4] = W . A over k_blocks scale blocks, for this warp's
-// 32 weight rows and kWarpTiles*8 tokens, W and A dequantised exactly (the
+// MT*16 weight rows and WT*8 tokens, W and A dequantised exactly (the
 // weights here, fp4 -> bf16 times their block scale; the activations by Qa).
 // The weight rows sit on the MMA's M side, so a handful of tokens fills it.
 //   weight_row_of(r)  row, within the expert's `weight` and `weight_scale`, of
@@ -404,12 +419,13 @@ struct GemmShape {
 // k_padded bf16 activations.
 template <typename S, typename WeightRowOf, typename ActRowOf>
 __device__ __forceinline__ void gemm_mainloop(
-        float (&acc)[2][S::kWarpTiles][4], uint8_t* smem,
+        float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
         const __nv_bfloat16* __restrict__ act, ActRowOf act_row_of, int k_padded, int k_blocks) {
-    constexpr int WT = S::kWarpTiles, SB = S::kStageBlocks, kStages = S::kStages;
+    constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks, kStages = S::kStages;
+    constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int row_warp = warp % kRowWarps, first_tile = S::first_token(warp) / 8;
+    const int first_row = S::first_row(warp), first_tile = S::first_token(warp) / 8;
     const int n_stages = (k_blocks + SB - 1) / SB;
     const int scale_len = k_padded / kScaleBlock;
 
@@ -427,56 +443,67 @@ __device__ __forceinline__ void gemm_mainloop(
         act_row[j] = act_row_of(tid / S::kActRowChunks + j * (S::kThreads / S::kActRowChunks));
 
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < WT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
+    // Blocks at or past k_blocks (the last stage's tail) are zero-filled:
+    // zero weights, scales and activations add exact zeros, so every stage
+    // runs the same branch-free code.
     auto load_stage = [&](int slot, int stage) {
         uint8_t* w_s = smem + slot * S::kStageBytes;
         uint8_t* ws_s = w_s + S::kWeightBytes;
         uint8_t* a_s = ws_s + S::kWeightScaleBytes;
+        const int first_block = stage * SB;
+        const int weight_block = first_block + tid % SB;
+        const bool weight_valid = weight_block < k_blocks;
 #pragma unroll
         for (int j = 0; j < S::kWeightChunks; ++j)
             cp_async_16(w_s + (tid / SB + j * (S::kThreads / SB)) * S::kWeightStride + (tid % SB) * 16,
-                        weight + weight_row[j] + stage * SB * 16 + (tid % SB) * 16, true);
+                        weight + weight_row[j] + (weight_valid ? weight_block : 0) * 16, weight_valid);
         if (tid < kRows)
 #pragma unroll
-            for (int c = 0; c < SB; c += 8)   // scale rows are only 8-byte aligned
-                cp_async_small<(SB < 8 ? SB : 8)>(ws_s + tid * SB + c, weight_scale + weight_scale_row + stage * SB + c);
+            for (int c = 0; c < SB; c += kScaleCopy) {
+                const int valid_bytes = max(0, min(kScaleCopy, k_blocks - (first_block + c)));
+                cp_async_small<kScaleCopy>(ws_s + tid * SB + c,
+                                           weight_scale + weight_scale_row + (valid_bytes > 0 ? first_block + c : 0),
+                                           valid_bytes);
+            }
         const int chunk = tid % S::kActRowChunks;
+        const bool act_block_valid = first_block + chunk / 4 < k_blocks;
 #pragma unroll
-        for (int j = 0; j < S::kActChunks; ++j)
+        for (int j = 0; j < S::kActChunks; ++j) {
+            const bool valid = act_block_valid && act_row[j] >= 0;
             cp_async_16(a_s + (tid / S::kActRowChunks + j * (S::kThreads / S::kActRowChunks)) * S::kActStride
                             + chunk * 16,
-                        act + (size_t)max(act_row[j], 0) * k_padded + stage * SB * kScaleBlock + chunk * 8,
-                        act_row[j] >= 0);
+                        act + (valid ? (size_t)act_row[j] * k_padded + first_block * kScaleBlock + chunk * 8 : 0),
+                        valid);
+        }
     };
 
-    // Blocks [0, n_blocks) of a stage, with the stage's scale bytes of rows g
-    // and g+8 of each m-tile. kWide: some weight scale is above 128, so every
-    // block takes both multipliers (see weight_multiplier_low). Called with a
-    // constant kWide, so each call inlines its own loop.
-    uint32_t scales[2][2][SB / 4];
-    auto compute_blocks = [&](const bool kWide, const uint8_t* w_s, const uint8_t* a_s, int n_blocks) {
+    // A stage's SB blocks, with its scale bytes of rows g and g+8 of each
+    // m-tile. kWide: some weight scale is above 128, so every block takes
+    // both multipliers (see weight_multiplier_low). Called with a constant
+    // kWide, so each call inlines its own straight-line code.
+    uint32_t scales[MT][2][SB / 4];
+    auto compute_blocks = [&](const bool kWide, const uint8_t* w_s, const uint8_t* a_s) {
 #pragma unroll
         for (int bp = 0; bp < SB; bp += 2) {
-            if (bp >= n_blocks) break;
             // Per m-tile: word t of rows g and g+8 of blocks bp and bp+1.
-            uint32_t w[2][4];
+            uint32_t w[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-                ldmatrix_x4(w[mt], w_s + (row_warp * kRowsPerWarp + mt * 16 + (lane & 15)) * S::kWeightStride
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(w[mt], w_s + (first_row + mt * 16 + (lane & 15)) * S::kWeightStride
                                        + (bp + (lane >> 4)) * 16);
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int block = bp + q;
-                if (block >= n_blocks) break;
                 // A fragments of both k16 steps of the block: [m-tile][step][reg].
-                uint32_t a[2][2][4];
+                uint32_t a[MT][2][4];
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const uint32_t word = w[mt][2 * q + h];
@@ -509,7 +536,7 @@ __device__ __forceinline__ void gemm_mainloop(
                     ldmatrix_x4(b, a_s + ((first_tile + nt) * 8 + (lane & 7)) * S::kActStride
                                      + block * kScaleBlock * 2 + (lane >> 3) * 16);
 #pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
+                    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                         for (int s = 0; s < 2; ++s)
                             mma_bf16(acc[mt][nt], a[mt][s][0], a[mt][s][1], a[mt][s][2], a[mt][s][3],
@@ -519,27 +546,26 @@ __device__ __forceinline__ void gemm_mainloop(
         }
     };
 
-    auto compute_stage = [&](int slot, int stage) {
+    auto compute_stage = [&](int slot) {
         const uint8_t* w_s = smem + slot * S::kStageBytes;
         const uint8_t* ws_s = w_s + S::kWeightBytes;
         const uint8_t* a_s = ws_s + S::kWeightScaleBytes;
-        const int n_blocks = min(SB, k_blocks - stage * SB);
         const int g = lane >> 2;
         bool wide = false;
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
                 for (int i = 0; i < SB / 4; ++i) {
                     scales[mt][h][i] = *reinterpret_cast<const uint32_t*>(
-                        ws_s + (row_warp * kRowsPerWarp + mt * 16 + g + 8 * h) * SB + 4 * i);
+                        ws_s + (first_row + mt * 16 + g + 8 * h) * SB + 4 * i);
                     wide |= any_scale_above_128(scales[mt][h][i]);
                 }
         if (__any_sync(0xffffffffu, wide))
-            compute_blocks(true, w_s, a_s, n_blocks);
+            compute_blocks(true, w_s, a_s);
         else
-            compute_blocks(false, w_s, a_s, n_blocks);
+            compute_blocks(false, w_s, a_s);
     };
 
     // kStages-deep cp.async pipeline. When K has fewer stages than that, the
@@ -556,7 +582,7 @@ __device__ __forceinline__ void gemm_mainloop(
         const int next = s + kStages - 1;
         if (next < n_stages) load_stage(next % kStages, next);
         cp_async_commit();
-        compute_stage(s % kStages, s);
+        compute_stage(s % kStages);
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -601,55 +627,82 @@ __global__ void __launch_bounds__(kQuantizeWarps * 32) quantize_hidden_kernel(
     accumulator[(size_t)token * d_hidden_pad + k] = 0.0f;
 }
 
-constexpr int kStage1Columns = kRowWarps * 16;  // intermediate columns per CTA
+constexpr int kStage1Columns = kRows / 2;  // intermediate columns per CTA
 constexpr int kStage1HStride = kStage1Columns + 4;
 
-// CTA (tile, blockIdx.y): intermediate columns [64*y, 64*y+64) of the tile's
-// rows. Each row warp owns 16 columns: its m-tile 0 holds their gate rows and
-// m-tile 1 the matching up rows, so SwiGLU needs no data exchange.
-template <int NT, int SB, int STAGES>
-__global__ void __launch_bounds__(GemmShape<NT, SB, STAGES>::kThreads, 1) stage1_kernel(
+// SwiGLU of one intermediate value, rounded to bf16 as the reference does
+// before its Qa.
+__device__ __forceinline__ float swiglu_bf16(float gate, float up) {
+    return __bfloat162float(__float2bfloat16_rn(gate / (1.0f + expf(-gate)) * up));
+}
+
+// CTA (tile, blockIdx.y, blockIdx.z): intermediate columns [64*y, 64*y+64)
+// of the tile's rows over the z-th of gridDim.z slices of K, split_blocks
+// scale blocks each. Local weight rows 16c..16c+15 (one MMA m-tile) are the
+// gate rows of columns 8c..8c+7 and then their up rows, so each thread's
+// accumulators hold a gate value and its up value. With one slice the CTA
+// finishes the columns (SwiGLU, Qa into inter); with several it stores its
+// fp32 (gate, up) pairs to partial[z][row][col] for swiglu_quantize_kernel.
+template <int NT, int MT, int WT, int SB, int STAGES>
+__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES>::kThreads, 1) stage1_kernel(
         const uint8_t* __restrict__ gate_up_weight, const uint8_t* __restrict__ gate_up_scale,
         const __nv_bfloat16* __restrict__ act,
         const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
-        int top_k, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad,
-        __nv_bfloat16* __restrict__ inter) {
-    using S = GemmShape<NT, SB, STAGES>;
+        int top_k, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
+        __nv_bfloat16* __restrict__ inter, float2* __restrict__ partial, int num_pairs) {
+    using S = GemmShape<NT, MT, WT, SB, STAGES>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int col0 = blockIdx.y * kStage1Columns;
+    const int first_block = blockIdx.z * split_blocks;
+    const int k_blocks = min(split_blocks, (d_hidden + kScaleBlock - 1) / kScaleBlock - first_block);
     const size_t expert_rows = 2 * (size_t)d_expert_pad;
-    const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2);
-    const uint8_t* scale = gate_up_scale + tile.expert * expert_rows * (d_hidden_pad / kScaleBlock);
-    // Local row r: row warp r/32, m-tile (r/16)%2 (0 gate, 1 up), row r%16.
+    const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2) + first_block * 16;
+    const uint8_t* scale = gate_up_scale + tile.expert * expert_rows * (d_hidden_pad / kScaleBlock) + first_block;
     auto weight_row_of = [&](int r) {
-        return ((r >> 4) & 1) * d_expert_pad + col0 + (r >> 5) * 16 + (r & 15);
+        return ((r >> 3) & 1) * d_expert_pad + col0 + (r >> 4) * 8 + (r & 7);
     };
     auto token_of = [&](int i) { return i < tile.rows ? sorted_pairs[tile.row_start + i] / top_k : -1; };
 
-    float acc[2][S::kWarpTiles][4];
-    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, act, token_of,
-                      d_hidden_pad, (d_hidden + kScaleBlock - 1) / kScaleBlock);
+    float acc[MT][WT][4];
+    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock, token_of,
+                     d_hidden_pad, k_blocks);
 
-    // h = bf16(silu(gate) * up), zero in the padding columns, then Qa per
-    // 32-column block, which spans two warps: go through shared memory.
-    float* h = reinterpret_cast<float*>(smem);
+    // Accumulators 0, 1: row g (gate), tokens 2t, 2t+1; 2, 3: row g+8 (up).
     const int g = lane >> 2, t = lane & 3;
-    const int row_warp = warp % kRowWarps, first_token = S::first_token(warp);
+    const int first_row = S::first_row(warp), first_token = S::first_token(warp);
+    if (gridDim.z > 1) {
+        float2* out = partial + (size_t)blockIdx.z * num_pairs * d_expert_pad;
 #pragma unroll
-    for (int nt = 0; nt < S::kWarpTiles; ++nt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int local_col = row_warp * 16 + g + (i >> 1) * 8;
-            const int token = first_token + nt * 8 + 2 * t + (i & 1);
-            const float gate = acc[0][nt][i], up = acc[1][nt][i];
-            const float value = gate / (1.0f + expf(-gate)) * up;
-            h[token * kStage1HStride + local_col] =
-                col0 + local_col < d_expert ? __bfloat162float(__float2bfloat16_rn(value)) : 0.0f;
-        }
+            for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int token = first_token + nt * 8 + 2 * t + j;
+                    if (token < tile.rows)
+                        out[(size_t)(tile.row_start + token) * d_expert_pad + col0 + (first_row / 16 + mt) * 8 + g] =
+                            make_float2(acc[mt][nt][j], acc[mt][nt][2 + j]);
+                }
+        return;
+    }
+    // h = bf16(silu(gate) * up), zero in the padding columns, then Qa per
+    // 32-column block, which spans several warps: go through shared memory.
+    float* h = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int local_col = (first_row / 16 + mt) * 8 + g;
+                const int token = first_token + nt * 8 + 2 * t + j;
+                h[token * kStage1HStride + local_col] =
+                    col0 + local_col < d_expert ? swiglu_bf16(acc[mt][nt][j], acc[mt][nt][2 + j]) : 0.0f;
+            }
     __syncthreads();
     for (int item = warp; item < tile.rows * 2; item += S::kWarps) {
         const int token = item >> 1, block = item & 1;
@@ -657,6 +710,26 @@ __global__ void __launch_bounds__(GemmShape<NT, SB, STAGES>::kThreads, 1) stage1
         quantize_block_warp(h[token * kStage1HStride + block * 32 + lane], lane,
                             inter + row * d_expert_pad + col0 + block * 32);
     }
+}
+
+// The end of a K-split stage 1: warp (row, 8*blockIdx.y + warp) sums the
+// slices' (gate, up) pairs of one 32-column block in slice order (so the
+// result does not depend on timing), then SwiGLU and Qa as above.
+constexpr int kSwigluWarps = 8;
+__global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
+        const float2* __restrict__ partial, int splits, int num_pairs, const int* __restrict__ expert_offsets,
+        int n_experts, int d_expert, int d_expert_pad, __nv_bfloat16* __restrict__ inter) {
+    const int row = blockIdx.x, lane = threadIdx.x & 31;
+    const int col = (blockIdx.y * kSwigluWarps + (threadIdx.x >> 5)) * kScaleBlock + lane;
+    if (row >= expert_offsets[n_experts] || col - lane >= d_expert) return;   // warp-uniform
+    float2 sum = make_float2(0.0f, 0.0f);
+    for (int z = 0; z < splits; ++z) {
+        const float2 v = partial[((size_t)z * num_pairs + row) * d_expert_pad + col];
+        sum.x += v.x;
+        sum.y += v.y;
+    }
+    quantize_block_warp(col < d_expert ? swiglu_bf16(sum.x, sum.y) : 0.0f, lane,
+                        inter + (size_t)row * d_expert_pad + col - lane);
 }
 
 }  // namespace moe
@@ -682,14 +755,15 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
 // rows, scaled by each row's routing weight and added into the fp32
 // accumulator. Rows are transposed through shared memory so that each add
 // covers four consecutive columns of one token.
-template <int NT, int SB, int STAGES>
-__global__ void __launch_bounds__(GemmShape<NT, SB, STAGES>::kThreads, 1) stage2_kernel(
+template <int NT, int MT, int WT, int SB, int STAGES>
+__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES>::kThreads,
+                                  GemmShape<NT, MT, WT, SB, STAGES>::kStage2MinBlocks) stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
         const __nv_bfloat16* __restrict__ inter, const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         const float* __restrict__ topk_weights, int top_k,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator) {
-    using S = GemmShape<NT, SB, STAGES>;
+    using S = GemmShape<NT, MT, WT, SB, STAGES>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
@@ -700,21 +774,21 @@ __global__ void __launch_bounds__(GemmShape<NT, SB, STAGES>::kThreads, 1) stage2
     auto weight_row_of = [&](int r) { return row0 + r; };
     auto row_of = [&](int i) { return i < tile.rows ? tile.row_start + i : -1; };
 
-    float acc[2][S::kWarpTiles][4];
+    float acc[MT][WT][4];
     gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, inter, row_of,
                       d_expert_pad, (d_expert + kScaleBlock - 1) / kScaleBlock);
 
     float* y = reinterpret_cast<float*>(smem);
     const int g = lane >> 2, t = lane & 3;
-    const int row_warp = warp % kRowWarps, first_token = S::first_token(warp);
+    const int first_row = S::first_row(warp), first_token = S::first_token(warp);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < S::kWarpTiles; ++nt)
+        for (int nt = 0; nt < WT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 y[(first_token + nt * 8 + 2 * t + (i & 1)) * kStage2YStride
-                  + row_warp * kRowsPerWarp + mt * 16 + g + (i >> 1) * 8] = acc[mt][nt][i];
+                  + first_row + mt * 16 + g + (i >> 1) * 8] = acc[mt][nt][i];
     __syncthreads();
     for (int item = tid; item < tile.rows * (kRows / 4); item += S::kThreads) {
         const int token = item / (kRows / 4), quad = item % (kRows / 4);
@@ -728,27 +802,41 @@ __global__ void __launch_bounds__(GemmShape<NT, SB, STAGES>::kThreads, 1) stage2
     }
 }
 
-// fp32 accumulator to the bf16 output; all NaN if routing saw a bad expert
-// id, so that a bad call is loud without a host synchronisation.
-__global__ void convert_output_kernel(const float* __restrict__ accumulator, int d_hidden_pad,
-                                      __nv_bfloat16* __restrict__ out, int d_hidden, int m,
-                                      const int* __restrict__ bad_ids) {
-    const bool poisoned = *bad_ids != 0;
-    const size_t total = (size_t)m * d_hidden;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        const size_t token = i / d_hidden, col = i - token * d_hidden;
-        const float v = accumulator[token * d_hidden_pad + col];
-        out[i] = __float2bfloat16_rn(poisoned ? __int_as_float(0x7FC00000) : v);
+// fp32 accumulator to the bf16 output, CTA (token, y) four columns per
+// thread; all NaN if routing saw a bad expert id, so that a bad call is loud
+// without a host synchronisation.
+constexpr int kConvertThreads = 256;
+__global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
+        const float* __restrict__ accumulator, int d_hidden_pad, __nv_bfloat16* __restrict__ out, int d_hidden,
+        const int* __restrict__ bad_ids) {
+    const int token = blockIdx.x, col = 4 * (blockIdx.y * kConvertThreads + threadIdx.x);
+    if (col >= d_hidden) return;
+    // Padded rows are whole multiples of 256 floats, so the float4 stays inside the row.
+    float4 v = *reinterpret_cast<const float4*>(accumulator + (size_t)token * d_hidden_pad + col);
+    if (*bad_ids != 0) {
+        const float nan = __int_as_float(0x7FC00000);
+        v = make_float4(nan, nan, nan, nan);
+    }
+    const __nv_bfloat162 low = __floats2bfloat162_rn(v.x, v.y), high = __floats2bfloat162_rn(v.z, v.w);
+    __nv_bfloat16* dst = out + (size_t)token * d_hidden + col;
+    if ((d_hidden & 3) == 0) {   // then dst is 8-byte aligned
+        uint2 packed;
+        memcpy(&packed.x, &low, 4);
+        memcpy(&packed.y, &high, 4);
+        *reinterpret_cast<uint2*>(dst) = packed;
+    } else {
+        const __nv_bfloat16 values[4] = {low.x, low.y, high.x, high.y};
+        for (int i = 0; i < 4 && col + i < d_hidden; ++i) dst[i] = values[i];
     }
 }
 
 // Explicit instantiations, so that a plain nvcc compile of this source (the
 // CI build check) produces and reports every kernel.
-#define MOE_INSTANTIATE(NT, SB, STAGES)                                                          \
-    template __global__ void stage1_kernel<NT, SB, STAGES>(const uint8_t*, const uint8_t*,      \
+#define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES)                                                  \
+    template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES>(const uint8_t*, const uint8_t*, \
         const __nv_bfloat16*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        int, __nv_bfloat16*);                                                                    \
-    template __global__ void stage2_kernel<NT, SB, STAGES>(const uint8_t*, const uint8_t*,      \
+        int, int, __nv_bfloat16*, float2*, int);                                                  \
+    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES>(const uint8_t*, const uint8_t*, \
         const __nv_bfloat16*, const int*, const int*, const int2*, const int*, const float*, int,  \
         int, int, int, int, float*);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
@@ -797,29 +885,66 @@ __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
     return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>());
 }
 
-template <int NT, int SB, int STAGES>
-void launch_gemms(cudaStream_t stream, int max_tiles, const torch::Tensor& gate_up_weight,
-                  const torch::Tensor& gate_up_scale, const torch::Tensor& down_weight,
-                  const torch::Tensor& down_scale, const torch::Tensor& act,
+// Slices of K for stage 1. Each tile's CTAs stream their whole K, so when
+// there are few tiles (few tokens) the GPU's CTA slots are filled only once
+// or twice and a partial last wave leaves SMs idle. Then K is cut into
+// slices for about eight waves, each slice at least four stages long. The
+// tiles are estimated as pairs / tile_tokens plus half the active experts
+// (the host does not know the routing, and must not wait for it).
+template <typename S, typename Kernel>
+int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n_experts, int k_blocks) {
+    int per_sm = 0;
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, S::kThreads, smem));
+    const int slots = std::max(per_sm, 1) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int ctas = (num_pairs / S::kTokens + std::min(n_experts, num_pairs) / 2 + 1) * cta_columns;
+    if (4 * ctas >= 5 * slots) return 1;
+    const int k_stages = (k_blocks + S::kStageBlocks - 1) / S::kStageBlocks;
+    return std::max(1, std::min((8 * slots + ctas - 1) / ctas, k_stages / 4));
+}
+
+template <int NT, int MT, int WT, int SB, int STAGES>
+void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_experts, int requested_splits,
+                  const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
+                  const torch::Tensor& down_weight, const torch::Tensor& down_scale, const torch::Tensor& act,
                   const int* sorted_pairs, const int* expert_offsets, const int2* tiles, const int* num_tiles,
                   const torch::Tensor& topk_weights, int top_k, int d_hidden, int d_hidden_pad, int d_expert,
                   int d_expert_pad, torch::Tensor& inter, torch::Tensor& accumulator) {
-    using S = GemmShape<NT, SB, STAGES>;
-    // The pipeline's stages, or the epilogue's staging buffer if larger.
-    const int smem1 = std::max(S::shared_bytes((d_hidden + kScaleBlock - 1) / kScaleBlock),
-                               S::kTokens * kStage1HStride * (int)sizeof(float));
-    const int smem2 = std::max(S::shared_bytes((d_expert + kScaleBlock - 1) / kScaleBlock),
-                               S::kTokens * kStage2YStride * (int)sizeof(float));
-    allow_shared_memory(stage1_kernel<NT, SB, STAGES>, S::max_shared_bytes(S::kTokens * kStage1HStride * 4));
-    allow_shared_memory(stage2_kernel<NT, SB, STAGES>, S::max_shared_bytes(S::kTokens * kStage2YStride * 4));
-    const dim3 grid1(max_tiles, (d_expert + kStage1Columns - 1) / kStage1Columns);
-    stage1_kernel<NT, SB, STAGES><<<grid1, S::kThreads, smem1, stream>>>(
+    using S = GemmShape<NT, MT, WT, SB, STAGES>;
+    const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES>;
+    const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES>;
+    const int epilogue1 = S::kTokens * kStage1HStride * (int)sizeof(float);
+    const int epilogue2 = S::kTokens * kStage2YStride * (int)sizeof(float);
+    const int all_stages = S::kStageBlocks * S::kStages;
+    allow_shared_memory(stage1, S::shared_bytes(all_stages, epilogue1));
+    allow_shared_memory(stage2, S::shared_bytes(all_stages, epilogue2));
+
+    const int k_blocks1 = (d_hidden + kScaleBlock - 1) / kScaleBlock;
+    const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
+    int splits = requested_splits > 0 ? requested_splits
+        : stage1_splits<S>(stage1, S::shared_bytes(k_blocks1, epilogue1), columns1, num_pairs, n_experts, k_blocks1);
+    // Whole stages per slice; rounding up may leave fewer, fuller slices.
+    const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
+    splits = (k_blocks1 + split_blocks - 1) / split_blocks;
+    torch::Tensor partial;
+    if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
+    float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
+    const int smem1 = S::shared_bytes(std::min(split_blocks, k_blocks1), epilogue1);
+    stage1<<<dim3(max_tiles, columns1, splits), S::kThreads, smem1, stream>>>(
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
         bf16_ptr(act), sorted_pairs, expert_offsets, tiles, num_tiles,
-        top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, bf16_ptr(inter));
+        top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, bf16_ptr(inter), partial_ptr,
+        num_pairs);
     MOE_CUDA_CHECK(cudaGetLastError());
+    if (splits > 1) {
+        swiglu_quantize_kernel<<<dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)), kSwigluWarps * 32,
+                                 0, stream>>>(partial_ptr, splits, num_pairs, expert_offsets, n_experts, d_expert,
+                                              d_expert_pad, bf16_ptr(inter));
+        MOE_CUDA_CHECK(cudaGetLastError());
+    }
+
     const dim3 grid2(max_tiles, (d_hidden + kRows - 1) / kRows);
-    stage2_kernel<NT, SB, STAGES><<<grid2, S::kThreads, smem2, stream>>>(
+    const int smem2 = S::shared_bytes((d_expert + kScaleBlock - 1) / kScaleBlock, epilogue2);
+    stage2<<<grid2, S::kThreads, smem2, stream>>>(
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         bf16_ptr(inter), sorted_pairs, expert_offsets, tiles, num_tiles,
         topk_weights.data_ptr<float>(), top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad,
@@ -833,18 +958,21 @@ void launch_gemms(cudaStream_t stream, int max_tiles, const torch::Tensor& gate_
 // already validated by the Python dispatcher. Returns the [M, d_hidden] bf16
 // output, all NaN if any expert id lies outside [0, E): bad routing is never
 // silently wrong, and no host synchronisation is needed to say so.
+// stage1_splits: slices of stage 1's K, or 0 to choose (see stage1_splits).
 torch::Tensor moe_forward(
         torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
-        int64_t stage_blocks, int64_t stages) {
+        int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, int64_t stage1_splits) {
     using namespace moe;
+#define MOE_IS(NT, MT, WT, SB, STAGES) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
+                                        warp_tokens == 8 * WT && stage_blocks == SB && stages == STAGES)
     bool known = false;
-#define MOE_KNOWN(NT, SB, STAGES) known |= tile_tokens == 8 * NT && stage_blocks == SB && stages == STAGES;
+#define MOE_KNOWN(NT, MT, WT, SB, STAGES) known |= MOE_IS(NT, MT, WT, SB, STAGES);
     MOE_GEMM_CONFIGS(MOE_KNOWN)
 #undef MOE_KNOWN
-    TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens,
-                ", stage_blocks=", stage_blocks, ", stages=", stages);
+    TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens, ", warp_rows=", warp_rows,
+                ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages);
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -880,20 +1008,19 @@ torch::Tensor moe_forward(
         d_hidden_pad, bf16_ptr(act), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
-#define MOE_LAUNCH(NT, SB, STAGES)                                                                \
-    if (tile_tokens == 8 * NT && stage_blocks == SB && stages == STAGES)                            \
-        launch_gemms<NT, SB, STAGES>(stream, max_tiles, gate_up_weight, gate_up_scale, down_weight, \
-            down_scale, act, sorted_pairs, expert_offsets, tiles, num_tiles, topk_weights, top_k,   \
-            (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter, accumulator);
+#define MOE_LAUNCH(NT, MT, WT, SB, STAGES)                                                        \
+    if (MOE_IS(NT, MT, WT, SB, STAGES))                                                             \
+        launch_gemms<NT, MT, WT, SB, STAGES>(stream, max_tiles, num_pairs, n_experts, (int)stage1_splits,      \
+            gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_pairs, expert_offsets, tiles, \
+            num_tiles, topk_weights, top_k, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,   \
+            accumulator);
     MOE_GEMM_CONFIGS(MOE_LAUNCH)
 #undef MOE_LAUNCH
+#undef MOE_IS
 
-    const int threads = 256;
-    const int blocks = (int)std::min<int64_t>(((int64_t)m * d_hidden + threads - 1) / threads, 65535);
-    convert_output_kernel<<<blocks, threads, 0, stream>>>(
-        accumulator.data_ptr<float>(), d_hidden_pad,
-        reinterpret_cast<__nv_bfloat16*>(out.data_ptr<at::BFloat16>()), (int)d_hidden, m,
-        bad_ids);
+    convert_output_kernel<<<dim3(m, (d_hidden + 4 * kConvertThreads - 1) / (4 * kConvertThreads)), kConvertThreads,
+                            0, stream>>>(accumulator.data_ptr<float>(), d_hidden_pad, bf16_ptr(out), (int)d_hidden,
+                                         bad_ids);
     MOE_CUDA_CHECK(cudaGetLastError());
     return out;
 }
@@ -904,7 +1031,7 @@ torch::Tensor moe_forward(
     torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
-    int64_t stage_blocks, int64_t stages);
+    int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, int64_t stage1_splits);
 """
 
 # ===========================================================================
@@ -1006,17 +1133,16 @@ def _build_kernels(arch: str):
 def choose_config(m: int, top_k: int, n_experts: int, d_expert: int) -> KernelConfig:
     """GEMM configuration for a call, from the sweep of tools/profile_kernels.py
     (BENCHMARKS.md). Tiles hold one expert's tokens, so few tokens per expert
-    want 8-token tiles: re-reading an expert's weights per tile mostly hits
-    L2, while wide tiles waste MMA work. More tokens per expert want wider
-    tiles, whose bf16 activations then take smaller pipeline stages so that
-    two CTAs still fit per SM. (Stages of 4 or 16 blocks, or 2-3 stages,
-    measured slower for 8-token tiles.)"""
+    want 8- or 16-token tiles: re-reading an expert's weights per tile mostly
+    hits L2, while wide tiles waste MMA work. From about 32 tokens per expert
+    on, 64-token tiles win: each warp then converts its weights once for all
+    64 tokens (32 rows per warp for d_expert 2048, 16 below that)."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
-        return KernelConfig(8, 8, 4)
-    if tokens_per_expert <= 64:
-        return KernelConfig(32, 4, 4)
-    return KernelConfig(64, 8, 3) if d_expert <= 512 else KernelConfig(64, 4, 4)
+        return KernelConfig(8, 16, 8, 8, 4)
+    if tokens_per_expert <= 20:
+        return KernelConfig(16, 16, 16, 8, 4)
+    return KernelConfig(64, 16, 64, 4, 4) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4)
 
 
 _backend_cache = {}
@@ -1131,7 +1257,10 @@ def validate_inputs(data: input_t) -> None:
                          f"{n_experts} experts")
 
 
-def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = None) -> output_t:
+def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = None,
+                 stage1_splits: int = 0) -> output_t:
+    """The CUDA kernels; kernel_config and stage1_splits (slices of stage 1's
+    K, 0: the host code chooses) override the choices, for tests and sweeps."""
     (hidden_states, gate_up_weight, down_weight, gate_up_scale, down_scale,
      _, _, _, _, topk_weights, topk_ids, config) = data
     if kernel_config is None:
@@ -1141,7 +1270,7 @@ def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = 
     return module.moe_forward(
         hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
         as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
-        config["d_hidden"], config["d_expert"], *kernel_config)
+        config["d_hidden"], config["d_expert"], *kernel_config, stage1_splits)
 
 
 def _run_aiter(fused_moe, data: input_t) -> output_t:

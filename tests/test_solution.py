@@ -95,9 +95,10 @@ def test_wrong_tuple_is_refused():
 
 
 @pytest.mark.parametrize("m, top_k, experts, d_expert, expected", [   # the measured best (BENCHMARKS.md)
-    (16, 9, 257, 256, (8, 8, 4)), (128, 9, 257, 256, (8, 8, 4)), (512, 9, 257, 256, (32, 4, 4)),
-    (16, 9, 33, 512, (8, 8, 4)), (128, 9, 33, 512, (32, 4, 4)), (512, 9, 33, 512, (64, 8, 3)),
-    (512, 9, 33, 2048, (64, 4, 4))])
+    (16, 9, 257, 256, (8, 16, 8, 8, 4)), (128, 9, 257, 256, (8, 16, 8, 8, 4)),
+    (512, 9, 257, 256, (16, 16, 16, 8, 4)), (16, 9, 33, 512, (8, 16, 8, 8, 4)),
+    (128, 9, 33, 512, (64, 16, 64, 4, 4)), (512, 9, 33, 512, (64, 16, 64, 4, 4)),
+    (512, 9, 33, 2048, (64, 32, 64, 4, 4))])
 def test_config_chooser_picks_the_measured_best(m, top_k, experts, d_expert, expected):
     config = solution.choose_config(m, top_k, experts, d_expert)
     assert tuple(config) == expected and config in solution.GEMM_CONFIGS
@@ -116,8 +117,8 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     print(report)
     assert result.returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # route, quantise, convert, and stage 1 and stage 2 for each GEMM config
-    assert len(kernels) == 3 + 2 * len(solution.GEMM_CONFIGS), kernels
+    # route, quantise, SwiGLU+Qa of split stage 1, convert, and stage 1 and stage 2 for each GEMM config
+    assert len(kernels) == 4 + 2 * len(solution.GEMM_CONFIGS), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
 
@@ -185,13 +186,16 @@ def test_random_shapes(shape):
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", solution.GEMM_CONFIGS, ids=lambda c: "%d-%d-%d" % c)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("config", solution.GEMM_CONFIGS, ids=lambda c: str(c).replace("/", "-"))
 @pytest.mark.parametrize("shape", [(7168, 256, 32, 8, 1, 100, 21), (2000, 300, 8, 3, 1, 77, 22)], ids=str)
-def test_every_gemm_config(shape, config):
-    """Each compiled configuration, not only the ones the chooser picks today;
-    K of 224 and 63 scale blocks end stages of every size part-way."""
+def test_every_gemm_config(shape, config, splits):
+    """Each compiled configuration, not only the ones the chooser picks today,
+    with stage 1's K whole and in three slices; K of 224 and 63 scale blocks
+    end stages (and slices) of every size part-way."""
     module = solution._backend(torch.device("cuda"))[1]
-    run_checked(reference.generate_input(*shape), run=lambda d: solution._run_kernels(module, d, config))
+    run_checked(reference.generate_input(*shape),
+                run=lambda d: solution._run_kernels(module, d, config, stage1_splits=splits))
 
 
 @needs_cuda

@@ -33,18 +33,24 @@ def benchmark_inputs():
                                               solution.N_SHARED, bs, seed)
 
 
+def kernel_times(call, data, repeats: int) -> dict:
+    """Device us per call of each kernel `call(data)` launches, under torch.profiler."""
+    call(data)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            call(data)
+        torch.cuda.synchronize()
+    times = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name.split("(")[0].split("<")[0][-40:]] += event.device_time / repeats
+    return times
+
+
 def per_kernel(repeats: int) -> None:
     for label, data in benchmark_inputs():
-        solution.custom_kernel(data)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(repeats):
-                solution.custom_kernel(data)
-            torch.cuda.synchronize()
-        times = defaultdict(float)
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                times[event.name.split("(")[0].split("<")[0][-40:]] += event.device_time / repeats
+        times = kernel_times(solution.custom_kernel, data, repeats)
         parts = ", ".join(f"{name} {us:.1f}" for name, us in sorted(times.items(), key=lambda kv: -kv[1]))
         print(f"{label}: {sum(times.values()):.1f} us = {parts}", flush=True)
 
@@ -53,18 +59,32 @@ def sweep() -> None:
     module = solution._backend(torch.device("cuda"))[1]
     timer = harness.cuda_timer()
     configs = solution.GEMM_CONFIGS
-    print(f"{'shape':<28}" + "".join(f"{'%d/%d/%d' % c:>10}" for c in configs) + "   chosen")
+    header = f"{'shape':<28}" + "".join(f"{str(c):>15}" for c in configs)
+    print(header + "   chosen")
+    stage_rows = []
     for label, data in benchmark_inputs():
         m, top_k, n_experts = data[0].shape[0], data[10].shape[1], data[1].shape[0]
-        row = []
+        row, stage_row = [], []
         for config in configs:
             call = lambda d: solution._run_kernels(module, d, config)  # noqa: E731
             call(data)
             times = sorted(timer.time_call(call, data)[1] / 1e3 for _ in range(15))
             row.append(times[len(times) // 2])
+            kernels = kernel_times(call, data, 3)
+            stage_us = [sum(us for name, us in kernels.items() if f"stage{i}_kernel" in name) for i in (1, 2)]
+            stage_row.append("%.1f+%.1f" % tuple(stage_us))
         chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"])
-        print(f"{label:<28}" + "".join(f"{us:10.1f}" for us in row) + "   %d/%d/%d" % chosen, flush=True)
-    print("columns: tile tokens / scale blocks per stage / stages; median us of 15 calls")
+        whole_k = lambda d: solution._run_kernels(module, d, chosen, stage1_splits=1)  # noqa: E731
+        whole_k(data)
+        times = sorted(timer.time_call(whole_k, data)[1] / 1e3 for _ in range(15))
+        print(f"{label:<28}" + "".join(f"{us:15.1f}" for us in row) + f"   {chosen}"
+              f" (stage 1 K whole: {times[len(times) // 2]:.1f})", flush=True)
+        stage_rows.append(f"{label:<28}" + "".join(f"{t:>15}" for t in stage_row))
+    print("columns: tile tokens / warp rows x warp tokens / scale blocks per stage / stages, stage 1's K split\n"
+          "as the host code chooses; median us of 15 calls")
+    print("\nstage 1 + stage 2 us (torch.profiler, 3 calls, no L2 flush)")
+    print(header)
+    print("\n".join(stage_rows))
 
 
 def once(which: str) -> None:
