@@ -34,6 +34,7 @@ warning that says why.
 
 `python solution.py` is a self-benchmark (see the end of this file).
 """
+import functools
 import hashlib
 import math
 import os
@@ -294,16 +295,19 @@ class KernelConfig(NamedTuple):
     warp_tokens: int    # tokens per warp, a multiple of 8 dividing tile_tokens
     stage_blocks: int   # scale blocks (32 K values) per cp.async pipeline stage
     stages: int         # pipeline depth
+    wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with 64 tokens only)
 
     def __str__(self):
-        return "%d/%dx%d/%d/%d" % self
+        return "%d/%dx%d/%d/%d" % self[:5] + ("/wgmma" if self.wgmma else "")
 
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
-GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4), KernelConfig(16, 16, 16, 8, 4),
-                KernelConfig(64, 16, 64, 4, 4), KernelConfig(64, 32, 64, 4, 4))
+GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8, 4, False),
+                KernelConfig(64, 16, 64, 4, 4, False), KernelConfig(64, 32, 64, 4, 4, False),
+                KernelConfig(64, 16, 64, 4, 4, True))
 GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
-    f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages})"
+    f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
+    f"{'true' if c.wgmma else 'false'})"
     for c in GEMM_CONFIGS) + "\n"
 
 GEMM_SOURCE = r"""
@@ -362,15 +366,81 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
+// Hopper warpgroup MMA (sm_90a only; other targets trap, and the host code
+// refuses wgmma configs on them). A warpgroup (4 warps) computes
+// d(64 x 64) += a(64 x 16) . b(16 x 64): a from registers, each warp's 16
+// rows in mma_bf16's A layout; b (the tokens) read by the tensor cores from
+// shared memory through a descriptor; d in mma_bf16's C layout per n8 tile.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOE_HAS_WGMMA 1
+#endif
+// Descriptor of a K-major bf16 operand in the 128-byte swizzle: rows of 128
+// bytes (64 values), 8-row atoms 1024 bytes apart, 1024-byte aligned; p may
+// point inside a row, at the 16-value slice an MMA reads.
+__device__ __forceinline__ uint64_t wgmma_descriptor(const void* p) {
+    return (uint64_t)((smem_addr(p) & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32
+         | (uint64_t)1 << 62;
+}
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_descriptor) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, accumulate, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+                   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+                   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(1));
+#else
+    __trap();
+#endif
+}
+// Orders this thread's register writes (A fragments, accumulators) before the
+// warpgroup MMAs that follow.
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Waits until at most N committed groups of this warpgroup's MMAs are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+#endif
+}
+// Shared memory written through the generic proxy (cp.async) and read next by
+// the tensor cores (async proxy) needs this fence in each writing thread.
+__device__ __forceinline__ void fence_async_shared() {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // A GEMM CTA: kRows weight rows x NT*8 tokens, its K streamed through a
 // cp.async pipeline of STAGES stages of SB scale blocks each. Each warp
 // computes MT m16 tiles of weight rows times WT n8 tiles of tokens: warps
 // with one m-tile convert half the weights each, so twice as many of them
 // share a stage's shared memory; warps with all the tile's tokens convert
-// each weight once per CTA.
-template <int NT, int MT, int WT, int SB, int STAGES>
+// each weight once per CTA. WG: the MMAs are warpgroup MMAs (sm_90a), each
+// warpgroup 64 rows x all 64 tokens, the tokens read by the tensor cores
+// straight from shared memory (no ldmatrix, no B fragments in registers).
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
 struct GemmShape {
     static_assert((MT == 1 || MT == 2) && NT % WT == 0 && SB % 4 == 0, "GEMM tiling");
+    static_assert(!WG || (MT == 1 && WT == NT && NT == 8), "warpgroup MMAs are built for 16-row, 64-token warps");
+    static constexpr bool kWgmma = WG;
     static constexpr int kTokens = NT * 8;
     static constexpr int kMTiles = MT, kWarpTiles = WT, kStageBlocks = SB, kStages = STAGES;
     static constexpr int kWarpRows = MT * 16;
@@ -385,24 +455,53 @@ struct GemmShape {
     static constexpr int kActStride = SB * kScaleBlock * 2 + 16;
     static constexpr int kWeightBytes = kRows * kWeightStride;
     static constexpr int kWeightScaleBytes = kRows * SB;
-    static constexpr int kActBytes = kTokens * kActStride;
-    static constexpr int kStageBytes = kWeightBytes + kWeightScaleBytes + kActBytes;
+    static constexpr int kActBytes = WG ? kTokens * SB * 64 : kTokens * kActStride;
+    // A stage: weights, their scales, activations; for warpgroup MMAs the
+    // activations first, in 1024-byte-aligned stages (the swizzle below).
+    static constexpr int kActOffset = WG ? 0 : kWeightBytes + kWeightScaleBytes;
+    static constexpr int kWeightOffset = WG ? kActBytes : 0;
+    static constexpr int kScaleOffset = kWeightOffset + kWeightBytes;
+    static constexpr int kStageAlignment = WG ? 1024 : 16;
+    static constexpr int kStageBytes = (kWeightBytes + kWeightScaleBytes + kActBytes + kStageAlignment - 1)
+                                     / kStageAlignment * kStageAlignment;
+    static constexpr int kAlignmentSlack = kStageAlignment - 16;   // dynamic shared memory is 16-byte aligned
     static constexpr int kWeightChunks = kRows * SB / kThreads;       // 16-byte copies per thread
     static constexpr int kActRowChunks = SB * 4;                      // 16-byte chunks per token row
     static constexpr int kActChunks = kTokens * kActRowChunks / kThreads;
     static_assert(kThreads >= kRows && kRows * SB % kThreads == 0 && kTokens * kActRowChunks % kThreads == 0,
                   "copy split");
+    // Activation copy j of thread tid: token, 16-byte chunk within the stage's
+    // row, and where the chunk goes in shared memory. Consecutive threads copy
+    // contiguous bytes of one token: 64 for WG (so that a warp's copies land
+    // in distinct bank groups), the whole stage row otherwise.
+    static __device__ __forceinline__ int act_copy_token(int tid, int j) {
+        return WG ? ((tid >> 2) + j * (kThreads >> 2)) % kTokens : tid / kActRowChunks + j * (kThreads / kActRowChunks);
+    }
+    static __device__ __forceinline__ int act_copy_chunk(int tid, int j) {
+        return WG ? (tid & 3) + 4 * (((tid >> 2) + j * (kThreads >> 2)) / kTokens) : tid % kActRowChunks;
+    }
+    // Warpgroup MMAs read the tokens in the 128-byte-swizzled K-major layout:
+    // atoms of 8 tokens x 64 values (128 bytes per token), chunk c of token i
+    // at chunk c ^ (i % 8) of its row, so the tensor cores' reads (and the
+    // copies) spread over all banks.
+    static __device__ __forceinline__ int act_offset(int token, int chunk) {
+        return WG ? (chunk >> 3) * (kTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
+                        + (((chunk & 7) ^ (token & 7)) << 4)
+                  : token * kActStride + chunk * 16;
+    }
     // Stage 2's K (d_expert) is short: its CTAs run a stage or two each and
     // hide memory latency only behind each other. For tiles of up to 16
     // tokens, registers are capped at 64 so that 1024 threads fit per SM.
-    static constexpr int kStage2MinBlocks = NT <= 2 ? 1024 / kThreads : 1;
+    // Warpgroup-MMA CTAs are capped at 128 registers so that two fit per SM.
+    static constexpr int kStage1MinBlocks = WG ? 2 : 1;
+    static constexpr int kStage2MinBlocks = NT <= 2 ? 1024 / kThreads : kStage1MinBlocks;
     // Shared memory of a launch over k_blocks scale blocks whose epilogue
     // stages epilogue_bytes: as many pipeline stages as K has, up to
     // kStages (so that short-K CTAs fit more per SM), or the epilogue's
     // buffer if that is larger.
     static int shared_bytes(int k_blocks, int epilogue_bytes) {
         const int stages = (k_blocks + SB - 1) / SB;
-        const int pipeline = kStageBytes * (stages < kStages ? stages : kStages);
+        const int pipeline = kStageBytes * (stages < kStages ? stages : kStages) + kAlignmentSlack;
         return pipeline > epilogue_bytes ? pipeline : epilogue_bytes;
     }
 };
@@ -427,11 +526,12 @@ __device__ __forceinline__ void gemm_mainloop(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int first_row = S::first_row(warp), first_tile = S::first_token(warp) / 8;
     const int n_stages = (k_blocks + SB - 1) / SB;
+    smem += (S::kStageAlignment - (smem_addr(smem) & (S::kStageAlignment - 1))) & (S::kStageAlignment - 1);
     const int scale_len = k_padded / kScaleBlock;
 
     // The rows this thread copies: 16-byte chunk tid%SB of weight rows
-    // tid/SB + j*kThreads/SB, the scales of weight row tid, and 16-byte chunk
-    // tid%(4*SB) of token rows tid/(4*SB) + j*kThreads/(4*SB).
+    // tid/SB + j*kThreads/SB, the scales of weight row tid, and the token rows
+    // of its activation copies (S::act_copy_token).
     uint32_t weight_row[S::kWeightChunks];
 #pragma unroll
     for (int j = 0; j < S::kWeightChunks; ++j)
@@ -440,7 +540,7 @@ __device__ __forceinline__ void gemm_mainloop(
     int act_row[S::kActChunks];
 #pragma unroll
     for (int j = 0; j < S::kActChunks; ++j)
-        act_row[j] = act_row_of(tid / S::kActRowChunks + j * (S::kThreads / S::kActRowChunks));
+        act_row[j] = act_row_of(S::act_copy_token(tid, j));
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -453,9 +553,9 @@ __device__ __forceinline__ void gemm_mainloop(
     // zero weights, scales and activations add exact zeros, so every stage
     // runs the same branch-free code.
     auto load_stage = [&](int slot, int stage) {
-        uint8_t* w_s = smem + slot * S::kStageBytes;
-        uint8_t* ws_s = w_s + S::kWeightBytes;
-        uint8_t* a_s = ws_s + S::kWeightScaleBytes;
+        uint8_t* w_s = smem + slot * S::kStageBytes + S::kWeightOffset;
+        uint8_t* ws_s = smem + slot * S::kStageBytes + S::kScaleOffset;
+        uint8_t* a_s = smem + slot * S::kStageBytes + S::kActOffset;
         const int first_block = stage * SB;
         const int weight_block = first_block + tid % SB;
         const bool weight_valid = weight_block < k_blocks;
@@ -471,13 +571,11 @@ __device__ __forceinline__ void gemm_mainloop(
                                            weight_scale + weight_scale_row + (valid_bytes > 0 ? first_block + c : 0),
                                            valid_bytes);
             }
-        const int chunk = tid % S::kActRowChunks;
-        const bool act_block_valid = first_block + chunk / 4 < k_blocks;
 #pragma unroll
         for (int j = 0; j < S::kActChunks; ++j) {
-            const bool valid = act_block_valid && act_row[j] >= 0;
-            cp_async_16(a_s + (tid / S::kActRowChunks + j * (S::kThreads / S::kActRowChunks)) * S::kActStride
-                            + chunk * 16,
+            const int chunk = S::act_copy_chunk(tid, j);
+            const bool valid = first_block + chunk / 4 < k_blocks && act_row[j] >= 0;
+            cp_async_16(a_s + S::act_offset(S::act_copy_token(tid, j), chunk),
                         act + (valid ? (size_t)act_row[j] * k_padded + first_block * kScaleBlock + chunk * 8 : 0),
                         valid);
         }
@@ -529,40 +627,51 @@ __device__ __forceinline__ void gemm_mainloop(
                         a[mt][1][h] = p[2];
                         a[mt][1][2 + h] = p[3];
                     }
+                if constexpr (S::kWgmma) {
+                    // Both k16 steps of the block on the warpgroup, then wait
+                    // only for the previous block's: converting the next block
+                    // overlaps this one's MMAs.
+                    wgmma_fence();
 #pragma unroll
-                for (int nt = 0; nt < WT; ++nt) {
-                    // The block's 32 k of this n-tile's 8 tokens: regs (0,1) step 0, (2,3) step 1.
-                    uint32_t b[4];
-                    ldmatrix_x4(b, a_s + ((first_tile + nt) * 8 + (lane & 7)) * S::kActStride
-                                     + block * kScaleBlock * 2 + (lane >> 3) * 16);
+                    for (int s = 0; s < 2; ++s)
+                        wgmma_m64n64k16(acc[0], a[0][s], wgmma_descriptor(a_s + S::act_offset(0, block * 4 + 2 * s)));
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                } else {
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
+                    for (int nt = 0; nt < WT; ++nt) {
+                        // The block's 32 k of this n-tile's 8 tokens: regs (0,1) step 0, (2,3) step 1.
+                        uint32_t b[4];
+                        ldmatrix_x4(b, a_s + ((first_tile + nt) * 8 + (lane & 7)) * S::kActStride
+                                         + block * kScaleBlock * 2 + (lane >> 3) * 16);
 #pragma unroll
-                        for (int s = 0; s < 2; ++s)
-                            mma_bf16(acc[mt][nt], a[mt][s][0], a[mt][s][1], a[mt][s][2], a[mt][s][3],
-                                     b[2 * s], b[2 * s + 1]);
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int s = 0; s < 2; ++s)
+                                mma_bf16(acc[mt][nt], a[mt][s][0], a[mt][s][1], a[mt][s][2], a[mt][s][3],
+                                         b[2 * s], b[2 * s + 1]);
+                    }
                 }
             }
         }
+        // The stage's slot is refilled after the next barrier.
+        if constexpr (S::kWgmma) wgmma_wait<0>();
     };
 
-    auto compute_stage = [&](int slot) {
-        const uint8_t* w_s = smem + slot * S::kStageBytes;
-        const uint8_t* ws_s = w_s + S::kWeightBytes;
-        const uint8_t* a_s = ws_s + S::kWeightScaleBytes;
+    auto compute_stage = [&](int slot, bool wide) {
+        const uint8_t* w_s = smem + slot * S::kStageBytes + S::kWeightOffset;
+        const uint8_t* ws_s = smem + slot * S::kStageBytes + S::kScaleOffset;
+        const uint8_t* a_s = smem + slot * S::kStageBytes + S::kActOffset;
         const int g = lane >> 2;
-        bool wide = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int i = 0; i < SB / 4; ++i) {
+                for (int i = 0; i < SB / 4; ++i)
                     scales[mt][h][i] = *reinterpret_cast<const uint32_t*>(
                         ws_s + (first_row + mt * 16 + g + 8 * h) * SB + 4 * i);
-                    wide |= any_scale_above_128(scales[mt][h][i]);
-                }
-        if (__any_sync(0xffffffffu, wide))
+        if (wide)
             compute_blocks(true, w_s, a_s);
         else
             compute_blocks(false, w_s, a_s);
@@ -578,11 +687,22 @@ __device__ __forceinline__ void gemm_mainloop(
     }
     for (int s = 0; s < n_stages; ++s) {
         cp_async_wait<kStages - 2>();
-        __syncthreads();
+        if constexpr (S::kWgmma) fence_async_shared();
+        // Whether any of the stage's weight scales is above 128. Thread r < kRows
+        // copied row r's scales, so it may read them before the barrier, which
+        // ORs the answers: the whole CTA takes one path (a warpgroup's MMAs
+        // must be the same instructions in all of its warps).
+        bool wide = false;
+        if (tid < kRows)
+#pragma unroll
+            for (int i = 0; i < SB / 4; ++i)
+                wide |= any_scale_above_128(*reinterpret_cast<const uint32_t*>(
+                    smem + (s % kStages) * S::kStageBytes + S::kScaleOffset + tid * SB + 4 * i));
+        wide = __syncthreads_or(wide);
         const int next = s + kStages - 1;
         if (next < n_stages) load_stage(next % kStages, next);
         cp_async_commit();
-        compute_stage(s % kStages);
+        compute_stage(s % kStages, wide);
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -643,15 +763,16 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
 // accumulators hold a gate value and its up value. With one slice the CTA
 // finishes the columns (SwiGLU, Qa into inter); with several it stores its
 // fp32 (gate, up) pairs to partial[z][row][col] for swiglu_quantize_kernel.
-template <int NT, int MT, int WT, int SB, int STAGES>
-__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES>::kThreads, 1) stage1_kernel(
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
+__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThreads,
+                                  GemmShape<NT, MT, WT, SB, STAGES, WG>::kStage1MinBlocks) stage1_kernel(
         const uint8_t* __restrict__ gate_up_weight, const uint8_t* __restrict__ gate_up_scale,
         const __nv_bfloat16* __restrict__ act,
         const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int top_k, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
         __nv_bfloat16* __restrict__ inter, float2* __restrict__ partial, int num_pairs) {
-    using S = GemmShape<NT, MT, WT, SB, STAGES>;
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
@@ -755,15 +876,15 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
 // rows, scaled by each row's routing weight and added into the fp32
 // accumulator. Rows are transposed through shared memory so that each add
 // covers four consecutive columns of one token.
-template <int NT, int MT, int WT, int SB, int STAGES>
-__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES>::kThreads,
-                                  GemmShape<NT, MT, WT, SB, STAGES>::kStage2MinBlocks) stage2_kernel(
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
+__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThreads,
+                                  GemmShape<NT, MT, WT, SB, STAGES, WG>::kStage2MinBlocks) stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
         const __nv_bfloat16* __restrict__ inter, const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         const float* __restrict__ topk_weights, int top_k,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator) {
-    using S = GemmShape<NT, MT, WT, SB, STAGES>;
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
@@ -832,12 +953,12 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 
 // Explicit instantiations, so that a plain nvcc compile of this source (the
 // CI build check) produces and reports every kernel.
-#define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES)                                                  \
-    template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES>(const uint8_t*, const uint8_t*, \
-        const __nv_bfloat16*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        int, int, __nv_bfloat16*, float2*, int);                                                  \
-    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES>(const uint8_t*, const uint8_t*, \
-        const __nv_bfloat16*, const int*, const int*, const int2*, const int*, const float*, int,  \
+#define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG)                                                    \
+    template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG>(const uint8_t*, const uint8_t*, \
+        const __nv_bfloat16*, const int*, const int*, const int2*, const int*, int, int, int, int,     \
+        int, int, __nv_bfloat16*, float2*, int);                                                       \
+    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG>(const uint8_t*, const uint8_t*, \
+        const __nv_bfloat16*, const int*, const int*, const int2*, const int*, const float*, int,      \
         int, int, int, int, float*);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
@@ -902,16 +1023,18 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n
     return std::max(1, std::min((8 * slots + ctas - 1) / ctas, k_stages / 4));
 }
 
-template <int NT, int MT, int WT, int SB, int STAGES>
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
 void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_experts, int requested_splits,
                   const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
                   const torch::Tensor& down_weight, const torch::Tensor& down_scale, const torch::Tensor& act,
                   const int* sorted_pairs, const int* expert_offsets, const int2* tiles, const int* num_tiles,
                   const torch::Tensor& topk_weights, int top_k, int d_hidden, int d_hidden_pad, int d_expert,
                   int d_expert_pad, torch::Tensor& inter, torch::Tensor& accumulator) {
-    using S = GemmShape<NT, MT, WT, SB, STAGES>;
-    const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES>;
-    const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES>;
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG>;
+    TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
+                "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
+    const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG>;
+    const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG>;
     const int epilogue1 = S::kTokens * kStage1HStride * (int)sizeof(float);
     const int epilogue2 = S::kTokens * kStage2YStride * (int)sizeof(float);
     const int all_stages = S::kStageBlocks * S::kStages;
@@ -963,16 +1086,17 @@ torch::Tensor moe_forward(
         torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
-        int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, int64_t stage1_splits) {
+        int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, int64_t stage1_splits) {
     using namespace moe;
-#define MOE_IS(NT, MT, WT, SB, STAGES) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
-                                        warp_tokens == 8 * WT && stage_blocks == SB && stages == STAGES)
+#define MOE_IS(NT, MT, WT, SB, STAGES, WG) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
+    warp_tokens == 8 * WT && stage_blocks == SB && stages == STAGES && wgmma == WG)
     bool known = false;
-#define MOE_KNOWN(NT, MT, WT, SB, STAGES) known |= MOE_IS(NT, MT, WT, SB, STAGES);
+#define MOE_KNOWN(NT, MT, WT, SB, STAGES, WG) known |= MOE_IS(NT, MT, WT, SB, STAGES, WG);
     MOE_GEMM_CONFIGS(MOE_KNOWN)
 #undef MOE_KNOWN
     TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens, ", warp_rows=", warp_rows,
-                ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages);
+                ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages,
+                ", wgmma=", wgmma);
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -1008,11 +1132,11 @@ torch::Tensor moe_forward(
         d_hidden_pad, bf16_ptr(act), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
-#define MOE_LAUNCH(NT, MT, WT, SB, STAGES)                                                        \
-    if (MOE_IS(NT, MT, WT, SB, STAGES))                                                             \
-        launch_gemms<NT, MT, WT, SB, STAGES>(stream, max_tiles, num_pairs, n_experts, (int)stage1_splits,      \
+#define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG)                                                                \
+    if (MOE_IS(NT, MT, WT, SB, STAGES, WG))                                                                   \
+        launch_gemms<NT, MT, WT, SB, STAGES, WG>(stream, max_tiles, num_pairs, n_experts, (int)stage1_splits, \
             gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_pairs, expert_offsets, tiles, \
-            num_tiles, topk_weights, top_k, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,   \
+            num_tiles, topk_weights, top_k, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,  \
             accumulator);
     MOE_GEMM_CONFIGS(MOE_LAUNCH)
 #undef MOE_LAUNCH
@@ -1031,7 +1155,7 @@ torch::Tensor moe_forward(
     torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
-    int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, int64_t stage1_splits);
+    int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, int64_t stage1_splits);
 """
 
 # ===========================================================================
@@ -1130,19 +1254,28 @@ def _build_kernels(arch: str):
 # ===========================================================================
 # Dispatch
 # ===========================================================================
-def choose_config(m: int, top_k: int, n_experts: int, d_expert: int) -> KernelConfig:
+def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool = False) -> KernelConfig:
     """GEMM configuration for a call, from the sweep of tools/profile_kernels.py
-    (BENCHMARKS.md). Tiles hold one expert's tokens, so few tokens per expert
-    want 8- or 16-token tiles: re-reading an expert's weights per tile mostly
-    hits L2, while wide tiles waste MMA work. From about 32 tokens per expert
-    on, 64-token tiles win: each warp then converts its weights once for all
-    64 tokens (32 rows per warp for d_expert 2048, 16 below that)."""
+    (BENCHMARKS.md); wgmma: the GPU has Hopper's warpgroup MMAs (sm_90).
+    Tiles hold one expert's tokens, so few tokens per expert want 8- or
+    16-token tiles: re-reading an expert's weights per tile mostly hits L2,
+    while wide tiles waste MMA work. From about 32 tokens per expert on,
+    64-token tiles win: each warp then converts its weights once for all 64
+    tokens, and on sm_90 warpgroup MMAs read the tokens from shared memory
+    without ldmatrix."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
-        return KernelConfig(8, 16, 8, 8, 4)
+        return KernelConfig(8, 16, 8, 8, 4, False)
     if tokens_per_expert <= 20:
-        return KernelConfig(16, 16, 16, 8, 4)
-    return KernelConfig(64, 16, 64, 4, 4) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4)
+        return KernelConfig(16, 16, 16, 8, 4, False)
+    if wgmma:
+        return KernelConfig(64, 16, 64, 4, 4, True)
+    return KernelConfig(64, 16, 64, 4, 4, False) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4, False)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_wgmma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 _backend_cache = {}
@@ -1265,7 +1398,7 @@ def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = 
      _, _, _, _, topk_weights, topk_ids, config) = data
     if kernel_config is None:
         kernel_config = choose_config(hidden_states.shape[0], topk_ids.shape[1], gate_up_weight.shape[0],
-                                      config["d_expert"])
+                                      config["d_expert"], _has_wgmma(hidden_states.device.index))
     as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
     return module.moe_forward(
         hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),

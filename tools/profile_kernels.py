@@ -73,7 +73,8 @@ def sweep() -> None:
             kernels = kernel_times(call, data, 3)
             stage_us = [sum(us for name, us in kernels.items() if f"stage{i}_kernel" in name) for i in (1, 2)]
             stage_row.append("%.1f+%.1f" % tuple(stage_us))
-        chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"])
+        chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"],
+                                        solution._has_wgmma(data[0].device.index))
         whole_k = lambda d: solution._run_kernels(module, d, chosen, stage1_splits=1)  # noqa: E731
         whole_k(data)
         times = sorted(timer.time_call(whole_k, data)[1] / 1e3 for _ in range(15))
