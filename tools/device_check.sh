@@ -28,8 +28,9 @@ step "build"
 python3 -c "import solution, torch; print(solution._backend(torch.device('cuda'))[0])" 2>&1 | tee "$OUT/build.log" || status=1
 so=$(ls -t .kernel_cache/*/*.so 2>/dev/null | head -1)
 if [ -n "$so" ] && command -v cuobjdump >/dev/null; then
-  # mma.sync with e4m3 operands compiles to F2FP conversions + HMMA on sm_90
-  # (there is no fp8 mma.sync unit); count what the kernels really issue.
+  # What the kernels really issue: HMMA for mma.sync, HGMMA for the warpgroup
+  # MMAs (a wgmma config showing no HGMMA would have been built for the wrong
+  # target), F2FP for any fp8 conversion ptxas adds.
   echo "SASS of $so: tensor-core and conversion instructions per kernel"
   cuobjdump -sass "$so" | awk '/Function :/ {f=$3} {for (i = 1; i <= NF; i++) if ($i ~ /^(HMMA|IMMA|QMMA|HGMMA|QGMMA|F2FP)/) {split($i, m, "."); n[f " " m[1]]++}}
     END {for (k in n) print "  " n[k], k}' | sort -k3
