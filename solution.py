@@ -6,12 +6,15 @@ MXFP4 with E8M0 block scales, and the result matches AITER's fused_moe up to
 fp32 summation order.
 
 On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs five
-kernels, built on first use with torch's load_inline and cached:
+kernels (six when stage 1's K is split), built on first use with torch's
+load_inline and cached:
 
   routing      per-expert token counts, offsets, the sorted (token, slot) list
                and the tile table, on the device (one CTA);
   quantise     Qa of the hidden states, and zeroing of the fp32 accumulator;
-  stage 1      gate/up GEMM + SwiGLU + bf16 rounding + Qa of the intermediate;
+  stage 1      gate/up GEMM + SwiGLU + bf16 rounding + Qa of the intermediate
+               (with few tiles: the GEMM over slices of K, then a kernel that
+               sums the slices in a fixed order before SwiGLU and Qa);
   stage 2      down GEMM, weighted by topk_weights, added into the accumulator;
   convert      fp32 accumulator to the bf16 output.
 
@@ -20,7 +23,8 @@ Both GEMMs read the raw (unshuffled) weights, 16-byte runs of raw rows (one
 shuffled layout serves its CK kernels' register layout, not ours.
 
 Exactness. An E2M1 value times a power of two is exact in bf16, so the GEMMs
-run bf16 mma.sync on operands that carry their block scales: the weights are
+run bf16 MMAs (mma.sync; on sm_90 for 64-token tiles the warpgroup wgmma) on
+operands that carry their block scales: the weights are
 converted fp4 -> bf16 times their E8M0 scale in registers, and Qa writes its
 dequantised activations as bf16. Every product is exact and the MMA sums the
 whole K in fp32: the exact a4w4 value up to fp32 summation order. (The e4m3
