@@ -58,8 +58,15 @@ def per_kernel(repeats: int) -> None:
 def sweep() -> None:
     module = solution._backend(torch.device("cuda"))[1]
     timer = harness.cuda_timer()
+
+    def median_us(call, data) -> float:
+        call(data)
+        times = sorted(timer.time_call(call, data)[1] / 1e3 for _ in range(15))
+        return times[len(times) // 2]
+
     configs = solution.GEMM_CONFIGS
-    header = f"{'shape':<28}" + "".join(f"{str(c):>15}" for c in configs)
+    width = max(len(str(c)) for c in configs) + 2
+    header = f"{'shape':<28}" + "".join(f"{str(c):>{width}}" for c in configs)
     print(header + "   chosen")
     stage_rows = []
     for label, data in benchmark_inputs():
@@ -67,20 +74,16 @@ def sweep() -> None:
         row, stage_row = [], []
         for config in configs:
             call = lambda d: solution._run_kernels(module, d, config)  # noqa: E731
-            call(data)
-            times = sorted(timer.time_call(call, data)[1] / 1e3 for _ in range(15))
-            row.append(times[len(times) // 2])
+            row.append(median_us(call, data))
             kernels = kernel_times(call, data, 3)
             stage_us = [sum(us for name, us in kernels.items() if f"stage{i}_kernel" in name) for i in (1, 2)]
             stage_row.append("%.1f+%.1f" % tuple(stage_us))
         chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"],
                                         solution._has_wgmma(data[0].device.index))
-        whole_k = lambda d: solution._run_kernels(module, d, chosen, stage1_splits=1)  # noqa: E731
-        whole_k(data)
-        times = sorted(timer.time_call(whole_k, data)[1] / 1e3 for _ in range(15))
-        print(f"{label:<28}" + "".join(f"{us:15.1f}" for us in row) + f"   {chosen}"
-              f" (stage 1 K whole: {times[len(times) // 2]:.1f})", flush=True)
-        stage_rows.append(f"{label:<28}" + "".join(f"{t:>15}" for t in stage_row))
+        whole_k = median_us(lambda d: solution._run_kernels(module, d, chosen, stage1_splits=1), data)
+        print(f"{label:<28}" + "".join(f"{us:{width}.1f}" for us in row) + f"   {chosen}"
+              f" (stage 1 K whole: {whole_k:.1f})", flush=True)
+        stage_rows.append(f"{label:<28}" + "".join(f"{t:>{width}}" for t in stage_row))
     print("columns: tile tokens / warp rows x warp tokens / scale blocks per stage / stages, stage 1's K split\n"
           "as the host code chooses; median us of 15 calls")
     print("\nstage 1 + stage 2 us (torch.profiler, 3 calls, no L2 flush)")
