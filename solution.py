@@ -177,20 +177,24 @@ MOE_HD float exact_pow2(int e) {
     return bits_to_float((uint32_t)(127 + (e >> 1)) << 23) * bits_to_float((uint32_t)(127 + (e - (e >> 1))) << 23);
 }
 
+// Qa's dequantised value of v in a block of exponent e: code * 2^e, exact in
+// bf16. v * 2^-e is taken in two exact steps (see exact_pow2).
+__device__ __forceinline__ float qa_value(float v, int e) {
+    const float inv_half = bits_to_float((uint32_t)(127 - (e >> 1)) << 23);
+    const float inv_rest = bits_to_float((uint32_t)(127 - (e - (e >> 1))) << 23);
+    return e2m1_value(e2m1_code(v * inv_half * inv_rest)) * exact_pow2(e);
+}
+
 // Qa of one 32-value block held one value per lane (SPEC section 4): writes
-// the dequantised values, code * 2^e (exact in bf16), to the block's 32 bf16
-// slots in act_position order; all NaN if any value is NaN, so that NaN
-// reaches the output instead of vanishing in the max.
+// the dequantised values to the block's 32 bf16 slots in act_position order;
+// all NaN if any value is NaN, so that NaN reaches the output instead of
+// vanishing in the max.
 __device__ __forceinline__ void quantize_block_warp(float v, int lane, __nv_bfloat16* dst) {
     float amax = fabsf(v);
     for (int offset = 16; offset > 0; offset >>= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const bool has_nan = __any_sync(0xffffffffu, isnan(v));
-    const int e = qa_exponent(amax);
-    // v * 2^-e in two exact steps (see exact_pow2).
-    const float inv_half = bits_to_float((uint32_t)(127 - (e >> 1)) << 23);
-    const float inv_rest = bits_to_float((uint32_t)(127 - (e - (e >> 1))) << 23);
-    const float value = e2m1_value(e2m1_code(v * inv_half * inv_rest)) * exact_pow2(e);
+    const float value = qa_value(v, qa_exponent(amax));
     dst[act_position(lane)] = __float2bfloat16_rn(has_nan ? __int_as_float(0x7FC00000) : value);
 }
 
@@ -306,7 +310,7 @@ class KernelConfig(NamedTuple):
 
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
-GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8, 4, False),
+GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8, 3, False),
                 KernelConfig(64, 16, 64, 4, 4, False), KernelConfig(64, 32, 64, 4, 4, False),
                 KernelConfig(64, 16, 64, 4, 4, True))
 GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
@@ -324,10 +328,11 @@ namespace moe {
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
-// 16 bytes global -> shared, bypassing L1; zero-filled when !valid.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+// 16 bytes global -> shared, bypassing L1, of which the first src_bytes (16
+// or 0) are read and the rest zero-filled.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
 // Bytes (4 or 8) global -> shared, of which the first valid_bytes are read
 // and the rest zero-filled.
@@ -478,11 +483,12 @@ struct GemmShape {
     // row, and where the chunk goes in shared memory. Consecutive threads copy
     // contiguous bytes of one token: 64 for WG (so that a warp's copies land
     // in distinct bank groups), the whole stage row otherwise.
+    static_assert(!WG || kThreads / 4 == kTokens, "WG: four threads per token");
     static __device__ __forceinline__ int act_copy_token(int tid, int j) {
-        return WG ? ((tid >> 2) + j * (kThreads >> 2)) % kTokens : tid / kActRowChunks + j * (kThreads / kActRowChunks);
+        return WG ? tid >> 2 : tid / kActRowChunks + j * (kThreads / kActRowChunks);
     }
     static __device__ __forceinline__ int act_copy_chunk(int tid, int j) {
-        return WG ? (tid & 3) + 4 * (((tid >> 2) + j * (kThreads >> 2)) / kTokens) : tid % kActRowChunks;
+        return WG ? (tid & 3) + 4 * j : tid % kActRowChunks;
     }
     // Warpgroup MMAs read the tokens in the 128-byte-swizzled K-major layout:
     // atoms of 8 tokens x 64 values (128 bytes per token), chunk c of token i
@@ -532,19 +538,33 @@ __device__ __forceinline__ void gemm_mainloop(
     const int n_stages = (k_blocks + SB - 1) / SB;
     smem += (S::kStageAlignment - (smem_addr(smem) & (S::kStageAlignment - 1))) & (S::kStageAlignment - 1);
     const int scale_len = k_padded / kScaleBlock;
+    // Where copy j of this thread lands within a stage's weights and activations.
+    auto weight_copy_offset = [&](int j) {
+        return (tid / SB + j * (S::kThreads / SB)) * S::kWeightStride + (tid % SB) * 16;
+    };
+    auto act_copy_offset = [&](int j) { return S::act_offset(S::act_copy_token(tid, j), S::act_copy_chunk(tid, j)); };
 
-    // The rows this thread copies: 16-byte chunk tid%SB of weight rows
-    // tid/SB + j*kThreads/SB, the scales of weight row tid, and the token rows
-    // of its activation copies (S::act_copy_token).
-    uint32_t weight_row[S::kWeightChunks];
+    // What this thread copies, fixed for the whole K: 16-byte chunk tid%SB of
+    // weight rows tid/SB + j*kThreads/SB, the scales of weight row tid, and
+    // its activation chunks (S::act_copy_token, S::act_copy_chunk). Sources
+    // are kept as row starts and offset by the stage's first byte; a stage
+    // costs one address add per copy and no validity test but in the tail.
+    const uint8_t* weight_src[S::kWeightChunks];
 #pragma unroll
     for (int j = 0; j < S::kWeightChunks; ++j)
-        weight_row[j] = weight_row_of(tid / SB + j * (S::kThreads / SB)) * (uint32_t)(k_padded / 2);
-    const uint32_t weight_scale_row = weight_row_of(tid % kRows) * (uint32_t)scale_len;
-    int act_row[S::kActChunks];
+        weight_src[j] = weight + (size_t)weight_row_of(tid / SB + j * (S::kThreads / SB)) * (k_padded / 2)
+                      + (tid % SB) * 16;
+    const uint8_t* scale_src = weight_scale + (size_t)weight_row_of(tid % kRows) * scale_len;
+    // Activation rows past the tile's end read nothing (zero-fill) from row 0.
+    const uint8_t* act_src[S::kActChunks];
+    int act_src_bytes[S::kActChunks];
 #pragma unroll
-    for (int j = 0; j < S::kActChunks; ++j)
-        act_row[j] = act_row_of(S::act_copy_token(tid, j));
+    for (int j = 0; j < S::kActChunks; ++j) {
+        const int row = act_row_of(S::act_copy_token(tid, j));
+        act_src[j] = reinterpret_cast<const uint8_t*>(act + (size_t)(row >= 0 ? row : 0) * k_padded)
+                   + S::act_copy_chunk(tid, j) * 16;
+        act_src_bytes[j] = row >= 0 ? 16 : 0;
+    }
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -553,35 +573,49 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
 
+    auto stage_base = [&](int slot) { return smem + slot * S::kStageBytes; };
     // Blocks at or past k_blocks (the last stage's tail) are zero-filled:
     // zero weights, scales and activations add exact zeros, so every stage
-    // runs the same branch-free code.
+    // computes the same branch-free code; only the tail stage's copies test
+    // which blocks exist, and read nothing for those that do not.
     auto load_stage = [&](int slot, int stage) {
-        uint8_t* w_s = smem + slot * S::kStageBytes + S::kWeightOffset;
-        uint8_t* ws_s = smem + slot * S::kStageBytes + S::kScaleOffset;
-        uint8_t* a_s = smem + slot * S::kStageBytes + S::kActOffset;
+        uint8_t* const base = stage_base(slot);
         const int first_block = stage * SB;
-        const int weight_block = first_block + tid % SB;
-        const bool weight_valid = weight_block < k_blocks;
+        const int blocks = k_blocks - first_block;   // CTA-uniform; at least SB but in the tail
+        if (blocks >= SB) {
 #pragma unroll
-        for (int j = 0; j < S::kWeightChunks; ++j)
-            cp_async_16(w_s + (tid / SB + j * (S::kThreads / SB)) * S::kWeightStride + (tid % SB) * 16,
-                        weight + weight_row[j] + (weight_valid ? weight_block : 0) * 16, weight_valid);
-        if (tid < kRows)
+            for (int j = 0; j < S::kWeightChunks; ++j)
+                cp_async_16(base + S::kWeightOffset + weight_copy_offset(j), weight_src[j] + first_block * 16, 16);
+            if (tid < kRows)
 #pragma unroll
-            for (int c = 0; c < SB; c += kScaleCopy) {
-                const int valid_bytes = max(0, min(kScaleCopy, k_blocks - (first_block + c)));
-                cp_async_small<kScaleCopy>(ws_s + tid * SB + c,
-                                           weight_scale + weight_scale_row + (valid_bytes > 0 ? first_block + c : 0),
-                                           valid_bytes);
+                for (int c = 0; c < SB; c += kScaleCopy)
+                    cp_async_small<kScaleCopy>(base + S::kScaleOffset + tid * SB + c, scale_src + first_block + c,
+                                               kScaleCopy);
+#pragma unroll
+            for (int j = 0; j < S::kActChunks; ++j)
+                cp_async_16(base + S::kActOffset + act_copy_offset(j), act_src[j] + first_block * 64,
+                            act_src_bytes[j]);
+        } else {
+            const bool weight_valid = tid % SB < blocks;
+#pragma unroll
+            for (int j = 0; j < S::kWeightChunks; ++j)
+                cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
+                            weight_valid ? weight_src[j] + first_block * 16 : weight, weight_valid ? 16 : 0);
+            if (tid < kRows)
+#pragma unroll
+                for (int c = 0; c < SB; c += kScaleCopy) {
+                    const int valid_bytes = max(0, min(kScaleCopy, blocks - c));
+                    cp_async_small<kScaleCopy>(base + S::kScaleOffset + tid * SB + c,
+                                               valid_bytes > 0 ? scale_src + first_block + c : weight_scale,
+                                               valid_bytes);
+                }
+#pragma unroll
+            for (int j = 0; j < S::kActChunks; ++j) {
+                const bool valid = S::act_copy_chunk(tid, j) / 4 < blocks && act_src_bytes[j] > 0;
+                cp_async_16(base + S::kActOffset + act_copy_offset(j),
+                            valid ? act_src[j] + first_block * 64 : reinterpret_cast<const uint8_t*>(act),
+                            valid ? 16 : 0);
             }
-#pragma unroll
-        for (int j = 0; j < S::kActChunks; ++j) {
-            const int chunk = S::act_copy_chunk(tid, j);
-            const bool valid = first_block + chunk / 4 < k_blocks && act_row[j] >= 0;
-            cp_async_16(a_s + S::act_offset(S::act_copy_token(tid, j), chunk),
-                        act + (valid ? (size_t)act_row[j] * k_padded + first_block * kScaleBlock + chunk * 8 : 0),
-                        valid);
         }
     };
 
@@ -663,9 +697,9 @@ __device__ __forceinline__ void gemm_mainloop(
     };
 
     auto compute_stage = [&](int slot, bool wide) {
-        const uint8_t* w_s = smem + slot * S::kStageBytes + S::kWeightOffset;
-        const uint8_t* ws_s = smem + slot * S::kStageBytes + S::kScaleOffset;
-        const uint8_t* a_s = smem + slot * S::kStageBytes + S::kActOffset;
+        const uint8_t* w_s = stage_base(slot) + S::kWeightOffset;
+        const uint8_t* ws_s = stage_base(slot) + S::kScaleOffset;
+        const uint8_t* a_s = stage_base(slot) + S::kActOffset;
         const int g = lane >> 2;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -701,7 +735,7 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
             for (int i = 0; i < SB / 4; ++i)
                 wide |= any_scale_above_128(*reinterpret_cast<const uint32_t*>(
-                    smem + (s % kStages) * S::kStageBytes + S::kScaleOffset + tid * SB + 4 * i));
+                    stage_base(s % kStages) + S::kScaleOffset + tid * SB + 4 * i));
         wide = __syncthreads_or(wide);
         const int next = s + kStages - 1;
         if (next < n_stages) load_stage(next % kStages, next);
@@ -735,20 +769,55 @@ __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const i
 STAGE1_SOURCE = r"""
 namespace moe {
 
-// Qa of the hidden states into the bf16 activation layout. CTA (token, y)
-// quantises the eight scale blocks [8y, 8y+8) of the token's row, one per
-// warp, and zeroes the same 256 columns of the fp32 accumulator that stage 2
-// adds into.
-constexpr int kQuantizeWarps = 8;
-__global__ void __launch_bounds__(kQuantizeWarps * 32) quantize_hidden_kernel(
+// Qa of the hidden states into the bf16 activation layout, and zeroing of the
+// fp32 accumulator that stage 2 adds into. Four threads share a 32-value
+// block, eight values each (one 16-byte load), so that the kernel moves
+// whole sectors; CTA (token, y) covers columns [512y, 512y+512).
+constexpr int kQuantizeThreads = 64;
+constexpr int kQuantizeColumns = kQuantizeThreads * 8;
+__global__ void __launch_bounds__(kQuantizeThreads) quantize_hidden_kernel(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
         __nv_bfloat16* __restrict__ act, float* __restrict__ accumulator) {
-    const int token = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int b = blockIdx.y * kQuantizeWarps + warp;
-    const int k = b * kScaleBlock + lane;
-    const float v = k < d_hidden ? __bfloat162float(hidden[(size_t)token * d_hidden + k]) : 0.0f;
-    quantize_block_warp(v, lane, act + (size_t)token * d_hidden_pad + b * kScaleBlock);
-    accumulator[(size_t)token * d_hidden_pad + k] = 0.0f;
+    const int token = blockIdx.x, quad = threadIdx.x & 3;
+    const int k = blockIdx.y * kQuantizeColumns + threadIdx.x * 8;
+    if (k >= d_hidden_pad) return;   // whole blocks: d_hidden_pad is a multiple of 32
+    const __nv_bfloat16* src = hidden + (size_t)token * d_hidden + k;
+    float v[8];
+    if (k + 8 <= d_hidden && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(src);
+        __nv_bfloat16 h[8];
+        memcpy(h, &raw, sizeof raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __bfloat162float(h[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = k + i < d_hidden ? __bfloat162float(src[i]) : 0.0f;
+    }
+    float amax = 0.0f;
+    bool has_nan = false;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        amax = fmaxf(amax, fabsf(v[i]));
+        has_nan |= isnan(v[i]);
+    }
+    // The block's four threads are lanes 4j..4j+3 of one warp.
+#pragma unroll
+    for (int offset = 1; offset < 4; offset <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        has_nan |= __shfl_xor_sync(0xffffffffu, (int)has_nan, offset) != 0;
+    }
+    const int e = qa_exponent(amax);
+    // Values 8q+i and 8q+i+4 of the block (q = quad) are neighbours in
+    // act_position order, at 8i + 2q: one 4-byte store per pair.
+    __nv_bfloat16* dst = act + (size_t)token * d_hidden_pad + (k - quad * 8);
+    const float nan = __int_as_float(0x7FC00000);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<__nv_bfloat162*>(dst + act_position(8 * quad + i)) =
+            has_nan ? __floats2bfloat162_rn(nan, nan) : __floats2bfloat162_rn(qa_value(v[i], e), qa_value(v[i + 4], e));
+    float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
+    zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 constexpr int kStage1Columns = kRows / 2;  // intermediate columns per CTA
@@ -982,8 +1051,10 @@ HOST_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 
 namespace moe {
 
@@ -1006,25 +1077,50 @@ void allow_shared_memory(Kernel kernel, int max_bytes) {
     done.insert(key);
 }
 
+// CTAs of a kernel that fit on one SM (at least 1), asked of the runtime once
+// per kernel, shared memory size and device: it is host work on every call's path.
+template <typename Kernel>
+int ctas_per_sm(Kernel kernel, int threads, int smem) {
+    static std::mutex mutex;
+    static std::map<std::tuple<const void*, int, int>, int> known;
+    int device = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&device));
+    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), smem, device);
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto found = known.find(key);
+    if (found != known.end()) return found->second;
+    int per_sm = 0;
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    return known[key] = std::max(per_sm, 1);
+}
+
 __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
     return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>());
 }
 
 // Slices of K for stage 1. Each tile's CTAs stream their whole K, so when
-// there are few tiles (few tokens) the GPU's CTA slots are filled only once
-// or twice and a partial last wave leaves SMs idle. Then K is cut into
-// slices for about eight waves, each slice at least four stages long. The
-// tiles are estimated as pairs / tile_tokens plus half the active experts
-// (the host does not know the routing, and must not wait for it).
+// there are few tiles (few tokens) a partial last wave of CTAs leaves SMs
+// idle. Slices multiply the CTAs; each costs a write and a read of fp32
+// partial sums, so take the fewest slices whose CTAs fill their last wave to
+// at least 85% (at most one slice per four stages of K; the best fill there
+// if none reaches 85%). The tiles are estimated as pairs / tile_tokens plus
+// half the active experts (the host does not know the routing, and must not
+// wait for it).
 template <typename S, typename Kernel>
 int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n_experts, int k_blocks) {
-    int per_sm = 0;
-    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, S::kThreads, smem));
-    const int slots = std::max(per_sm, 1) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int slots = ctas_per_sm(kernel, S::kThreads, smem)
+                    * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const int ctas = (num_pairs / S::kTokens + std::min(n_experts, num_pairs) / 2 + 1) * cta_columns;
-    if (4 * ctas >= 5 * slots) return 1;
     const int k_stages = (k_blocks + S::kStageBlocks - 1) / S::kStageBlocks;
-    return std::max(1, std::min((8 * slots + ctas - 1) / ctas, k_stages / 4));
+    int best = 1;
+    double best_fill = 0.0;
+    for (int splits = 1; splits <= std::max(1, k_stages / 4); ++splits) {
+        const long long slices = (long long)ctas * splits, waves = (slices + slots - 1) / slots;
+        const double fill = (double)slices / (double)(waves * slots);
+        if (fill >= 0.85) return splits;
+        if (fill > best_fill) { best = splits; best_fill = fill; }
+    }
+    return best;
 }
 
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
@@ -1131,7 +1227,8 @@ torch::Tensor moe_forward(
         topk_ids.data_ptr<int>(), num_pairs, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_pairs, bad_ids);
     MOE_CUDA_CHECK(cudaGetLastError());
-    quantize_hidden_kernel<<<dim3(m, d_hidden_pad / (kQuantizeWarps * kScaleBlock)), kQuantizeWarps * 32, 0, stream>>>(
+    quantize_hidden_kernel<<<dim3(m, (d_hidden_pad + kQuantizeColumns - 1) / kQuantizeColumns), kQuantizeThreads, 0,
+                             stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(hidden_states.data_ptr<at::BFloat16>()), (int)d_hidden,
         d_hidden_pad, bf16_ptr(act), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
@@ -1271,7 +1368,7 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     if tokens_per_expert <= 8:
         return KernelConfig(8, 16, 8, 8, 4, False)
     if tokens_per_expert <= 20:
-        return KernelConfig(16, 16, 16, 8, 4, False)
+        return KernelConfig(16, 16, 16, 8, 3, False)
     if wgmma:
         return KernelConfig(64, 16, 64, 4, 4, True)
     return KernelConfig(64, 16, 64, 4, 4, False) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4, False)
