@@ -2,8 +2,13 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|official|profile|selfbench|bench|robust|all]...   (default: all)
+#   tools/device_check.sh [tests|official|profile|sweep|ncu|stalls|selfbench|bench|robust|all]...   (default: all)
 #   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
+#    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
+#    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
+#    (indices 0-6, default "0 4 5"): throughputs, tensor pipes, issue, stall reasons;
+#    stalls = ncu's warp-stall samples per SASS instruction of stage 1 on the first
+#    shape in $NCU_SHAPES, as $OUT/stalls.csv (neither is part of "all");
 #    robust = four processes building at once on an empty cache, then compute-sanitizer
 #    memcheck and racecheck over every official benchmark and test shape)
 #
@@ -61,6 +66,31 @@ fi
 if want profile; then
   step "per-kernel times"
   python3 tools/profile_kernels.py 3 2>"$OUT/profile.err" | tee "$OUT/profile.log" || status=1
+fi
+if [[ " $parts " == *" sweep "* ]]; then
+  step "config sweep"
+  python3 tools/profile_kernels.py --sweep 2>"$OUT/sweep.err" | tee "$OUT/sweep.log" || status=1
+fi
+if [[ " $parts " == *" ncu "* ]]; then   # not part of "all": about a minute per shape
+  for shape in ${NCU_SHAPES:-0 4 5}; do
+    step "ncu, benchmark shape $shape: stage 1 and stage 2 of the second call"
+    # --once calls the shape twice; skip the first call's two stage kernels.
+    ncu --clock-control none -k regex:"stage[12]_kernel" -s 2 -c 2 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+      --metrics dram__bytes_read.sum.per_second,lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum,sm__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+      python3 tools/profile_kernels.py --once "$shape" >"$OUT/ncu_$shape.log" 2>&1 || status=1
+    grep -E "stage[12]_kernel|Duration|Throughput|Registers|Achieved Occupancy|Waves Per SM|Issue Slots Busy|Eligible Warps|dram__|lts__|sm__inst|pipe_tensor|stalled" "$OUT/ncu_$shape.log" \
+      | grep -v -E " 0(\.0+)?$|  0,0" | sed 's/^ *//' | awk '{$1=$1; print}' | grep -v -E "ratio +0\.0[0-9]?$"
+  done
+fi
+if [[ " $parts " == *" stalls "* ]]; then
+  shape=$(echo ${NCU_SHAPES:-5} | cut -d' ' -f1)
+  step "ncu source counters, stage 1 of benchmark shape $shape"
+  ncu --clock-control none -k regex:stage1_kernel -s 1 -c 1 --section SourceCounters --section WarpStateStats \
+    -f -o "$OUT/stalls" python3 tools/profile_kernels.py --once "$shape" >"$OUT/stalls.log" 2>&1 || status=1
+  ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass >"$OUT/stalls.csv" 2>>"$OUT/stalls.log" || status=1
+  rm -f "$OUT/stalls.ncu-rep"
+  tail -3 "$OUT/stalls.log"; wc -l "$OUT/stalls.csv"
 fi
 if want robust; then
   step "four processes importing at once on an empty cache"

@@ -1,7 +1,8 @@
 """Where a call's time goes, on the official benchmark shapes.
 
     python tools/profile_kernels.py [repeats]   per-kernel device time per call
-    python tools/profile_kernels.py --sweep     each GEMM config the chooser can pick, timed
+    python tools/profile_kernels.py --sweep     each GEMM config the chooser can pick, timed, and the
+                                                chosen config with stage 1's K in 1, 2, 4 and 8 slices
     python tools/profile_kernels.py --once N    benchmark shape N (0-6, or all) called twice, for ncu
                                                 and compute-sanitizer:
         ncu -k regex:stage1 -s 5 -c 1 --set full python tools/profile_kernels.py --once 0
@@ -55,6 +56,9 @@ def per_kernel(repeats: int) -> None:
         print(f"{label}: {sum(times.values()):.1f} us = {parts}", flush=True)
 
 
+SLICES = (1, 2, 4, 8)   # stage 1 K slices the sweep times for the chosen config
+
+
 def sweep() -> None:
     module = solution._backend(torch.device("cuda"))[1]
     timer = harness.cuda_timer()
@@ -80,9 +84,10 @@ def sweep() -> None:
             stage_row.append("%.1f+%.1f" % tuple(stage_us))
         chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"],
                                         solution._has_wgmma(data[0].device.index))
-        whole_k = median_us(lambda d: solution._run_kernels(module, d, chosen, stage1_splits=1), data)
-        print(f"{label:<28}" + "".join(f"{us:{width}.1f}" for us in row) + f"   {chosen}"
-              f" (stage 1 K whole: {whole_k:.1f})", flush=True)
+        sliced = [median_us(lambda d: solution._run_kernels(module, d, chosen, stage1_splits=n), data)
+                  for n in SLICES]
+        print(f"{label:<28}" + "".join(f"{us:{width}.1f}" for us in row) + f"   {chosen} (stage 1 in "
+              + "/".join(map(str, SLICES)) + " slices: " + "/".join(f"{us:.1f}" for us in sliced) + ")", flush=True)
         stage_rows.append(f"{label:<28}" + "".join(f"{t:>{width}}" for t in stage_row))
     print("columns: tile tokens / warp rows x warp tokens / scale blocks per stage / stages, stage 1's K split\n"
           "as the host code chooses; median us of 15 calls")
