@@ -21,7 +21,8 @@ OUT=${OUT:-/tmp/moe_out}
 mkdir -p "$OUT"
 export MOE_MXFP4_CACHE_DIR="$PWD/.kernel_cache" PYTHONUNBUFFERED=1
 parts=${*:-all}
-want() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
+asked() { [[ " $parts " == *" $1 "* ]]; }   # named on the command line
+want() { asked "$1" || asked all; }
 status=0
 step() { echo; echo "=== $1"; }
 
@@ -67,11 +68,11 @@ if want profile; then
   step "per-kernel times"
   python3 tools/profile_kernels.py 3 2>"$OUT/profile.err" | tee "$OUT/profile.log" || status=1
 fi
-if [[ " $parts " == *" sweep "* ]]; then
+if asked sweep; then
   step "config sweep"
   python3 tools/profile_kernels.py --sweep 2>"$OUT/sweep.err" | tee "$OUT/sweep.log" || status=1
 fi
-if [[ " $parts " == *" ncu "* ]]; then   # not part of "all": about a minute per shape
+if asked ncu; then   # not part of "all": about a minute per shape
   for shape in ${NCU_SHAPES:-0 4 5}; do
     step "ncu, benchmark shape $shape: stage 1 and stage 2 of the second call"
     # --once calls the shape twice; skip the first call's two stage kernels.
@@ -83,7 +84,7 @@ if [[ " $parts " == *" ncu "* ]]; then   # not part of "all": about a minute per
       | grep -v -E " 0(\.0+)?$|  0,0" | sed 's/^ *//' | awk '{$1=$1; print}' | grep -v -E "ratio +0\.0[0-9]?$"
   done
 fi
-if [[ " $parts " == *" stalls "* ]]; then
+if asked stalls; then
   shape=$(echo ${NCU_SHAPES:-5} | cut -d' ' -f1)
   step "ncu source counters, stage 1 of benchmark shape $shape"
   ncu --clock-control none -k regex:stage1_kernel -s 1 -c 1 --section SourceCounters --section WarpStateStats \
