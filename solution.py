@@ -611,7 +611,7 @@ __device__ __forceinline__ void gemm_mainloop(
                 }
 #pragma unroll
             for (int j = 0; j < S::kActChunks; ++j) {
-                const bool valid = S::act_copy_chunk(tid, j) / 4 < blocks && act_src_bytes[j] > 0;
+                const bool valid = (S::act_copy_chunk(tid, j) >> 2) < blocks && act_src_bytes[j] > 0;
                 cp_async_16(base + S::kActOffset + act_copy_offset(j),
                             valid ? act_src[j] + first_block * 64 : reinterpret_cast<const uint8_t*>(act),
                             valid ? 16 : 0);
@@ -619,20 +619,41 @@ __device__ __forceinline__ void gemm_mainloop(
         }
     };
 
+    // Shared-memory fragments are loaded ahead of their use, so that their
+    // latency hides behind other work: a stage's scale words and its first
+    // block pair's weight words before the next stage's copies are issued
+    // (load_stage_fragments), each later pair's words while the pair before
+    // it is converted. (ldmatrix is asm volatile: it stays where it is written.)
+    uint32_t scales[MT][2][SB / 4];
+    uint32_t w[MT][4];   // per m-tile: word t of rows g and g+8 of the current block pair
+    auto load_weight_words = [&](uint32_t (&words)[MT][4], const uint8_t* w_s, int bp) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            ldmatrix_x4(words[mt], w_s + (first_row + mt * 16 + (lane & 15)) * S::kWeightStride
+                                   + (bp + (lane >> 4)) * 16);
+    };
+    auto load_stage_fragments = [&](int slot) {
+        const uint8_t* ws_s = stage_base(slot) + S::kScaleOffset;
+        const int g = lane >> 2;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int i = 0; i < SB / 4; ++i)
+                    scales[mt][h][i] = *reinterpret_cast<const uint32_t*>(
+                        ws_s + (first_row + mt * 16 + g + 8 * h) * SB + 4 * i);
+        load_weight_words(w, stage_base(slot) + S::kWeightOffset, 0);
+    };
     // A stage's SB blocks, with its scale bytes of rows g and g+8 of each
     // m-tile. kWide: some weight scale is above 128, so every block takes
     // both multipliers (see weight_multiplier_low). Called with a constant
     // kWide, so each call inlines its own straight-line code.
-    uint32_t scales[MT][2][SB / 4];
     auto compute_blocks = [&](const bool kWide, const uint8_t* w_s, const uint8_t* a_s) {
 #pragma unroll
         for (int bp = 0; bp < SB; bp += 2) {
-            // Per m-tile: word t of rows g and g+8 of blocks bp and bp+1.
-            uint32_t w[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4(w[mt], w_s + (first_row + mt * 16 + (lane & 15)) * S::kWeightStride
-                                       + (bp + (lane >> 4)) * 16);
+            uint32_t next[MT][4];
+            if (bp + 2 < SB) load_weight_words(next, w_s, bp + 2);
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int block = bp + q;
@@ -691,6 +712,11 @@ __device__ __forceinline__ void gemm_mainloop(
                     }
                 }
             }
+            if (bp + 2 < SB)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) w[mt][i] = next[mt][i];
         }
         // The stage's slot is refilled after the next barrier.
         if constexpr (S::kWgmma) wgmma_wait<0>();
@@ -698,17 +724,7 @@ __device__ __forceinline__ void gemm_mainloop(
 
     auto compute_stage = [&](int slot, bool wide) {
         const uint8_t* w_s = stage_base(slot) + S::kWeightOffset;
-        const uint8_t* ws_s = stage_base(slot) + S::kScaleOffset;
         const uint8_t* a_s = stage_base(slot) + S::kActOffset;
-        const int g = lane >> 2;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int i = 0; i < SB / 4; ++i)
-                    scales[mt][h][i] = *reinterpret_cast<const uint32_t*>(
-                        ws_s + (first_row + mt * 16 + g + 8 * h) * SB + 4 * i);
         if (wide)
             compute_blocks(true, w_s, a_s);
         else
@@ -737,6 +753,7 @@ __device__ __forceinline__ void gemm_mainloop(
                 wide |= any_scale_above_128(*reinterpret_cast<const uint32_t*>(
                     stage_base(s % kStages) + S::kScaleOffset + tid * SB + 4 * i));
         wide = __syncthreads_or(wide);
+        load_stage_fragments(s % kStages);
         const int next = s + kStages - 1;
         if (next < n_stages) load_stage(next % kStages, next);
         cp_async_commit();
