@@ -718,8 +718,6 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
                     for (int i = 0; i < 4; ++i) w[mt][i] = next[mt][i];
         }
-        // The stage's slot is refilled after the next barrier.
-        if constexpr (S::kWgmma) wgmma_wait<0>();
     };
 
     auto compute_stage = [&](int slot, bool wide) {
@@ -731,16 +729,25 @@ __device__ __forceinline__ void gemm_mainloop(
             compute_blocks(false, w_s, a_s);
     };
 
-    // kStages-deep cp.async pipeline. When K has fewer stages than that, the
-    // prologue loads all of them and no slot beyond n_stages is touched, so
-    // shared_bytes() may allocate just n_stages slots.
+    // kStages-deep cp.async pipeline, kAhead stages loading while one is
+    // computed. The slot refilled after the barrier of stage s is that of
+    // stage s + kAhead - kStages. mma.sync finished with it before the
+    // barrier (kAhead = kStages - 1: the previous stage). Warpgroup MMAs are
+    // asynchronous: they refill the stage before the previous one
+    // (kAhead = kStages - 2), which each warp's first wgmma_wait<1> of stage
+    // s - 1 has seen complete, so the tensor cores never drain at a stage's
+    // end. When K has fewer stages than kStages, the prologue loads all of
+    // them and no slot beyond n_stages is touched, so shared_bytes() may
+    // allocate just n_stages slots.
+    constexpr int kAhead = S::kWgmma ? kStages - 2 : kStages - 1;
+    static_assert(kAhead >= 1, "pipeline depth");
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
+    for (int s = 0; s < kAhead; ++s) {
         if (s < n_stages) load_stage(s, s);
         cp_async_commit();
     }
     for (int s = 0; s < n_stages; ++s) {
-        cp_async_wait<kStages - 2>();
+        cp_async_wait<kAhead - 1>();
         if constexpr (S::kWgmma) fence_async_shared();
         // Whether any of the stage's weight scales is above 128. Thread r < kRows
         // copied row r's scales, so it may read them before the barrier, which
@@ -754,11 +761,12 @@ __device__ __forceinline__ void gemm_mainloop(
                     stage_base(s % kStages) + S::kScaleOffset + tid * SB + 4 * i));
         wide = __syncthreads_or(wide);
         load_stage_fragments(s % kStages);
-        const int next = s + kStages - 1;
+        const int next = s + kAhead;
         if (next < n_stages) load_stage(next % kStages, next);
         cp_async_commit();
         compute_stage(s % kStages, wide);
     }
+    if constexpr (S::kWgmma) wgmma_wait<0>();   // the accumulators, and shared memory for the epilogue
     cp_async_wait<0>();
     __syncthreads();
 }
