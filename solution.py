@@ -499,20 +499,38 @@ struct GemmShape {
                         + (((chunk & 7) ^ (token & 7)) << 4)
                   : token * kActStride + chunk * 16;
     }
-    // Stage 2's K (d_expert) is short: its CTAs run a stage or two each and
-    // hide memory latency only behind each other. For tiles of up to 16
-    // tokens, registers are capped at 64 so that 1024 threads fit per SM.
+    // Stage 2's K (d_expert) is short: with one row tile per CTA its CTAs
+    // run a stage or two each and hide memory latency only behind each
+    // other. 8-token tiles are capped at 64 registers so that 1024 threads
+    // fit per SM, 16-token tiles at 80 (768 threads; 64 would spill).
     // Warpgroup-MMA CTAs are capped at 128 registers so that two fit per SM.
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
-    static constexpr int kStage2MinBlocks = NT <= 2 ? 1024 / kThreads : kStage1MinBlocks;
-    // Shared memory of a launch over k_blocks scale blocks whose epilogue
-    // stages epilogue_bytes: as many pipeline stages as K has, up to
-    // kStages (so that short-K CTAs fit more per SM), or the epilogue's
-    // buffer if that is larger.
-    static int shared_bytes(int k_blocks, int epilogue_bytes) {
-        const int stages = (k_blocks + SB - 1) / SB;
-        const int pipeline = kStageBytes * (stages < kStages ? stages : kStages) + kAlignmentSlack;
-        return pipeline > epilogue_bytes ? pipeline : epilogue_bytes;
+    static constexpr int kStage2MinBlocks = WG ? 2 : NT == 1 ? 4 : NT == 2 ? 3 : 1;
+    // Several row tiles per CTA (gemm_mainloop): not with warpgroup MMAs,
+    // where zeroing the accumulators between a tile's MMAs and the next
+    // tile's makes ptxas serialise every wgmma; their configs serve the
+    // long-K shapes, where a CTA's K alone fills its pipeline.
+    static constexpr bool kRowTiles = !WG;
+    // Pipeline slots of a CTA that streams row_tiles row tiles over k_blocks
+    // scale blocks each: as many stages as that, up to kStages (so that
+    // short-K CTAs fit more per SM).
+    static __host__ __device__ int pipeline_slots(int k_blocks, int row_tiles) {
+        const int stages = (k_blocks + SB - 1) / SB * row_tiles;
+        return stages < kStages ? stages : kStages;
+    }
+    // Shared memory of such a launch whose epilogue stages epilogue_bytes:
+    // with one row tile the epilogue reuses the pipeline's memory; with more
+    // it runs while the next tile's stages load, so it gets its own, after
+    // the pipeline (see epilogue_buffer).
+    static int shared_bytes(int k_blocks, int epilogue_bytes, int row_tiles = 1) {
+        const int pipeline = kStageBytes * pipeline_slots(k_blocks, row_tiles) + kAlignmentSlack;
+        return row_tiles > 1 ? pipeline + epilogue_bytes : (pipeline > epilogue_bytes ? pipeline : epilogue_bytes);
+    }
+    static __device__ __forceinline__ uint8_t* aligned_base(uint8_t* smem) {
+        return smem + ((kStageAlignment - (smem_addr(smem) & (kStageAlignment - 1))) & (kStageAlignment - 1));
+    }
+    static __device__ __forceinline__ uint8_t* epilogue_buffer(uint8_t* smem, int k_blocks, int row_tiles) {
+        return row_tiles > 1 ? aligned_base(smem) + kStageBytes * pipeline_slots(k_blocks, row_tiles) : smem;
     }
 };
 
@@ -526,17 +544,25 @@ struct GemmShape {
 //                     tile's end: zero-filled, finite, discarded.
 // Rows are k_padded values long: k_padded/2 weight bytes, k_padded/32 scales,
 // k_padded bf16 activations.
-template <typename S, typename WeightRowOf, typename ActRowOf>
+// Row tiles: the CTA computes row_tiles tiles of kRows rows, tile i's rows
+// being tile 0's plus i * row_tile_step, through one pipeline, so that the
+// next tile's stages load while this one finishes (short-K CTAs otherwise
+// wait for their only stages with nothing in flight). After each tile but
+// the last, tile_done(acc, i) takes the accumulators, which then restart at
+// zero; the last tile's are left in acc. mma.sync configs only (kRowTiles).
+template <typename S, typename WeightRowOf, typename ActRowOf, typename TileDone>
 __device__ __forceinline__ void gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
-        const __nv_bfloat16* __restrict__ act, ActRowOf act_row_of, int k_padded, int k_blocks) {
+        const __nv_bfloat16* __restrict__ act, ActRowOf act_row_of, int k_padded, int k_blocks,
+        int row_tiles, int row_tile_step, TileDone tile_done) {
     constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks, kStages = S::kStages;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int first_row = S::first_row(warp), first_tile = S::first_token(warp) / 8;
-    const int n_stages = (k_blocks + SB - 1) / SB;
-    smem += (S::kStageAlignment - (smem_addr(smem) & (S::kStageAlignment - 1))) & (S::kStageAlignment - 1);
+    const int tile_stages = (k_blocks + SB - 1) / SB;
+    const int n_stages = tile_stages * row_tiles;
+    smem = S::aligned_base(smem);
     const int scale_len = k_padded / kScaleBlock;
     // Where copy j of this thread lands within a stage's weights and activations.
     auto weight_copy_offset = [&](int j) {
@@ -566,30 +592,38 @@ __device__ __forceinline__ void gemm_mainloop(
         act_src_bytes[j] = row >= 0 ? 16 : 0;
     }
 
+    auto zero_acc = [&] {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < WT; ++nt)
+            for (int nt = 0; nt < WT; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+                for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+    };
+    zero_acc();
 
     auto stage_base = [&](int slot) { return smem + slot * S::kStageBytes; };
     // Blocks at or past k_blocks (the last stage's tail) are zero-filled:
     // zero weights, scales and activations add exact zeros, so every stage
     // computes the same branch-free code; only the tail stage's copies test
     // which blocks exist, and read nothing for those that do not.
-    auto load_stage = [&](int slot, int stage) {
+    // Stages load in order; the next one starts at scale block first_block
+    // of the row tile whose first weight row is tile_row rows down.
+    int first_block = 0;
+    size_t tile_row = 0;
+    auto load_stage = [&](int slot) {
         uint8_t* const base = stage_base(slot);
-        const int first_block = stage * SB;
         const int blocks = k_blocks - first_block;   // CTA-uniform; at least SB but in the tail
+        const size_t weight_offset = tile_row * (k_padded / 2) + first_block * 16;
+        const size_t scale_offset = tile_row * scale_len + first_block;
         if (blocks >= SB) {
 #pragma unroll
             for (int j = 0; j < S::kWeightChunks; ++j)
-                cp_async_16(base + S::kWeightOffset + weight_copy_offset(j), weight_src[j] + first_block * 16, 16);
+                cp_async_16(base + S::kWeightOffset + weight_copy_offset(j), weight_src[j] + weight_offset, 16);
             if (tid < kRows)
 #pragma unroll
                 for (int c = 0; c < SB; c += kScaleCopy)
-                    cp_async_small<kScaleCopy>(base + S::kScaleOffset + tid * SB + c, scale_src + first_block + c,
+                    cp_async_small<kScaleCopy>(base + S::kScaleOffset + tid * SB + c, scale_src + scale_offset + c,
                                                kScaleCopy);
 #pragma unroll
             for (int j = 0; j < S::kActChunks; ++j)
@@ -600,13 +634,13 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
             for (int j = 0; j < S::kWeightChunks; ++j)
                 cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
-                            weight_valid ? weight_src[j] + first_block * 16 : weight, weight_valid ? 16 : 0);
+                            weight_valid ? weight_src[j] + weight_offset : weight, weight_valid ? 16 : 0);
             if (tid < kRows)
 #pragma unroll
                 for (int c = 0; c < SB; c += kScaleCopy) {
                     const int valid_bytes = max(0, min(kScaleCopy, blocks - c));
                     cp_async_small<kScaleCopy>(base + S::kScaleOffset + tid * SB + c,
-                                               valid_bytes > 0 ? scale_src + first_block + c : weight_scale,
+                                               valid_bytes > 0 ? scale_src + scale_offset + c : weight_scale,
                                                valid_bytes);
                 }
 #pragma unroll
@@ -616,6 +650,11 @@ __device__ __forceinline__ void gemm_mainloop(
                             valid ? act_src[j] + first_block * 64 : reinterpret_cast<const uint8_t*>(act),
                             valid ? 16 : 0);
             }
+        }
+        first_block += SB;
+        if (first_block >= k_blocks) {
+            first_block = 0;
+            tile_row += row_tile_step;
         }
     };
 
@@ -743,9 +782,10 @@ __device__ __forceinline__ void gemm_mainloop(
     static_assert(kAhead >= 1, "pipeline depth");
 #pragma unroll
     for (int s = 0; s < kAhead; ++s) {
-        if (s < n_stages) load_stage(s, s);
+        if (s < n_stages) load_stage(s);
         cp_async_commit();
     }
+    int tile = 0, stage_in_tile = 0;
     for (int s = 0; s < n_stages; ++s) {
         cp_async_wait<kAhead - 1>();
         if constexpr (S::kWgmma) fence_async_shared();
@@ -762,9 +802,15 @@ __device__ __forceinline__ void gemm_mainloop(
         wide = __syncthreads_or(wide);
         load_stage_fragments(s % kStages);
         const int next = s + kAhead;
-        if (next < n_stages) load_stage(next % kStages, next);
+        if (next < n_stages) load_stage(next % kStages);
         cp_async_commit();
         compute_stage(s % kStages, wide);
+        if constexpr (S::kRowTiles)
+            if (++stage_in_tile == tile_stages && s + 1 < n_stages) {   // a row tile done, and more to come
+                tile_done(acc, tile++);
+                zero_acc();
+                stage_in_tile = 0;
+            }
     }
     if constexpr (S::kWgmma) wgmma_wait<0>();   // the accumulators, and shared memory for the epilogue
     cp_async_wait<0>();
@@ -888,7 +934,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThread
 
     float acc[MT][WT][4];
     gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock, token_of,
-                     d_hidden_pad, k_blocks);
+                     d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
 
     // Accumulators 0, 1: row g (gate), tokens 2t, 2t+1; 2, 3: row g+8 (up).
     const int g = lane >> 2, t = lane & 3;
@@ -970,10 +1016,11 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
 #endif
 }
 
-// CTA (tile, blockIdx.y): output columns [128*y, 128*y+128) of the tile's
-// rows, scaled by each row's routing weight and added into the fp32
-// accumulator. Rows are transposed through shared memory so that each add
-// covers four consecutive columns of one token.
+// CTA (tile, blockIdx.y): output columns [128*row_tiles*y, +128*row_tiles)
+// of the tile's rows (fewer at d_hidden's end), 128 per row tile, scaled by
+// each row's routing weight and added into the fp32 accumulator. Rows are
+// transposed through shared memory so that each add covers four consecutive
+// columns of one token.
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
 __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThreads,
                                   GemmShape<NT, MT, WT, SB, STAGES, WG>::kStage2MinBlocks) stage2_kernel(
@@ -981,44 +1028,52 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThread
         const __nv_bfloat16* __restrict__ inter, const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         const float* __restrict__ topk_weights, int top_k,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator) {
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int row0 = blockIdx.y * kRows;
+    const int tid = threadIdx.x;
+    const int row0 = blockIdx.y * row_tiles * kRows;
+    const int cta_tiles = min(row_tiles, (d_hidden - row0 + kRows - 1) / kRows);   // at least 1 (the grid)
+    const int k_blocks = (d_expert + kScaleBlock - 1) / kScaleBlock;
     const uint8_t* weight = down_weight + tile.expert * (size_t)d_hidden_pad * (d_expert_pad / 2);
     const uint8_t* scale = down_scale + tile.expert * (size_t)d_hidden_pad * (d_expert_pad / kScaleBlock);
     auto weight_row_of = [&](int r) { return row0 + r; };
     auto row_of = [&](int i) { return i < tile.rows ? tile.row_start + i : -1; };
 
-    float acc[MT][WT][4];
-    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, inter, row_of,
-                      d_expert_pad, (d_expert + kScaleBlock - 1) / kScaleBlock);
+    // y is written again only after the next stage's barrier, or the
+    // pipeline's last one. (Values computed here rather than before the
+    // mainloop: live across it, they made ptxas serialise the wgmmas.)
+    auto add_tile = [&](float (&acc)[MT][WT][4], int row_tile) {
+        float* y = reinterpret_cast<float*>(S::epilogue_buffer(smem, k_blocks, cta_tiles));
+        const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+        const int first_row = S::first_row(warp), first_token = S::first_token(warp);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    y[(first_token + nt * 8 + 2 * t + (i & 1)) * kStage2YStride
+                      + first_row + mt * 16 + g + (i >> 1) * 8] = acc[mt][nt][i];
+        __syncthreads();
+        for (int item = tid; item < tile.rows * (kRows / 4); item += S::kThreads) {
+            const int token = item / (kRows / 4), quad = item % (kRows / 4);
+            const int col = row0 + row_tile * kRows + quad * 4;
+            if (col >= d_hidden) continue;
+            const int pair = sorted_pairs[tile.row_start + token];
+            const float w = topk_weights[pair];
+            const float* src = y + token * kStage2YStride + quad * 4;
+            atomic_add_float4(accumulator + (size_t)(pair / top_k) * d_hidden_pad + col,
+                              make_float4(w * src[0], w * src[1], w * src[2], w * src[3]));
+        }
+    };
 
-    float* y = reinterpret_cast<float*>(smem);
-    const int g = lane >> 2, t = lane & 3;
-    const int first_row = S::first_row(warp), first_token = S::first_token(warp);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < WT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                y[(first_token + nt * 8 + 2 * t + (i & 1)) * kStage2YStride
-                  + first_row + mt * 16 + g + (i >> 1) * 8] = acc[mt][nt][i];
-    __syncthreads();
-    for (int item = tid; item < tile.rows * (kRows / 4); item += S::kThreads) {
-        const int token = item / (kRows / 4), quad = item % (kRows / 4);
-        const int col = row0 + quad * 4;
-        if (col >= d_hidden) continue;
-        const int pair = sorted_pairs[tile.row_start + token];
-        const float w = topk_weights[pair];
-        const float* src = y + token * kStage2YStride + quad * 4;
-        atomic_add_float4(accumulator + (size_t)(pair / top_k) * d_hidden_pad + col,
-                          make_float4(w * src[0], w * src[1], w * src[2], w * src[3]));
-    }
+    float acc[MT][WT][4];
+    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, inter, row_of, d_expert_pad, k_blocks,
+                     cta_tiles, kRows, add_tile);
+    add_tile(acc, cta_tiles - 1);
 }
 
 // fp32 accumulator to the bf16 output, CTA (token, y) four columns per
@@ -1057,7 +1112,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
         int, int, __nv_bfloat16*, float2*, int);                                                       \
     template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG>(const uint8_t*, const uint8_t*, \
         const __nv_bfloat16*, const int*, const int*, const int2*, const int*, const float*, int,      \
-        int, int, int, int, float*);
+        int, int, int, int, int, float*);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
 
@@ -1148,8 +1203,30 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n
     return best;
 }
 
+// Row tiles per stage-2 CTA. A CTA over several row tiles keeps the next
+// tile's stages loading while it finishes one, which short-K CTAs (a stage
+// or two each) cannot do alone; but it needs more pipeline slots, and
+// losing CTAs per SM to them costs more than the overlap gains (H200
+// sweep: with one-stage K, 2 row tiles per CTA 3-5% faster, 4 and 8 slower
+// than 1). So take the most row tiles (up to 8) that fit as many CTAs per
+// SM as one row tile does and leave at least two waves of CTAs, tiles
+// estimated as in stage1_splits. (One for warpgroup-MMA configs: see
+// GemmShape::kRowTiles.)
+template <typename S, typename Kernel>
+int stage2_row_tiles(Kernel kernel, int epilogue_bytes, int num_pairs, int n_experts, int k_blocks, int grid_rows) {
+    const int tiles = num_pairs / S::kTokens + std::min(n_experts, num_pairs) / 2 + 1;
+    const int per_sm = ctas_per_sm(kernel, S::kThreads, S::shared_bytes(k_blocks, epilogue_bytes, 1));
+    const long long slots = (long long)per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    for (int row_tiles = 8; row_tiles > 1; row_tiles /= 2)
+        if (ctas_per_sm(kernel, S::kThreads, S::shared_bytes(k_blocks, epilogue_bytes, row_tiles)) == per_sm
+            && (long long)tiles * ((grid_rows + row_tiles - 1) / row_tiles) >= 2 * slots)
+            return row_tiles;
+    return 1;
+}
+
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
 void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_experts, int requested_splits,
+                  int requested_row_tiles,
                   const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
                   const torch::Tensor& down_weight, const torch::Tensor& down_scale, const torch::Tensor& act,
                   const int* sorted_pairs, const int* expert_offsets, const int2* tiles, const int* num_tiles,
@@ -1164,7 +1241,7 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     const int epilogue2 = S::kTokens * kStage2YStride * (int)sizeof(float);
     const int all_stages = S::kStageBlocks * S::kStages;
     allow_shared_memory(stage1, S::shared_bytes(all_stages, epilogue1));
-    allow_shared_memory(stage2, S::shared_bytes(all_stages, epilogue2));
+    allow_shared_memory(stage2, S::shared_bytes(all_stages, epilogue2, S::kRowTiles ? 2 : 1));   // the most of any row_tiles
 
     const int k_blocks1 = (d_hidden + kScaleBlock - 1) / kScaleBlock;
     const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
@@ -1190,12 +1267,15 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
         MOE_CUDA_CHECK(cudaGetLastError());
     }
 
-    const dim3 grid2(max_tiles, (d_hidden + kRows - 1) / kRows);
-    const int smem2 = S::shared_bytes((d_expert + kScaleBlock - 1) / kScaleBlock, epilogue2);
+    const int k_blocks2 = (d_expert + kScaleBlock - 1) / kScaleBlock, grid_rows = (d_hidden + kRows - 1) / kRows;
+    const int row_tiles = !S::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
+        : stage2_row_tiles<S>(stage2, epilogue2, num_pairs, n_experts, k_blocks2, grid_rows));
+    const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
+    const int smem2 = S::shared_bytes(k_blocks2, epilogue2, row_tiles);
     stage2<<<grid2, S::kThreads, smem2, stream>>>(
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         bf16_ptr(inter), sorted_pairs, expert_offsets, tiles, num_tiles,
-        topk_weights.data_ptr<float>(), top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad,
+        topk_weights.data_ptr<float>(), top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
         accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -1206,12 +1286,14 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
 // already validated by the Python dispatcher. Returns the [M, d_hidden] bf16
 // output, all NaN if any expert id lies outside [0, E): bad routing is never
 // silently wrong, and no host synchronisation is needed to say so.
-// stage1_splits: slices of stage 1's K, or 0 to choose (see stage1_splits).
+// stage1_splits: slices of stage 1's K, or 0 to choose (see stage1_splits);
+// stage2_row_tiles: row tiles per stage-2 CTA, or 0 to choose (see stage2_row_tiles).
 torch::Tensor moe_forward(
         torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
-        int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, int64_t stage1_splits) {
+        int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, int64_t stage1_splits,
+        int64_t stage2_row_tiles) {
     using namespace moe;
 #define MOE_IS(NT, MT, WT, SB, STAGES, WG) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
     warp_tokens == 8 * WT && stage_blocks == SB && stages == STAGES && wgmma == WG)
@@ -1261,6 +1343,7 @@ torch::Tensor moe_forward(
 #define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG)                                                                \
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG))                                                                   \
         launch_gemms<NT, MT, WT, SB, STAGES, WG>(stream, max_tiles, num_pairs, n_experts, (int)stage1_splits, \
+            (int)stage2_row_tiles,                                                                            \
             gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_pairs, expert_offsets, tiles, \
             num_tiles, topk_weights, top_k, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,  \
             accumulator);
@@ -1281,7 +1364,8 @@ torch::Tensor moe_forward(
     torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
-    int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, int64_t stage1_splits);
+    int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, int64_t stage1_splits,
+    int64_t stage2_row_tiles);
 """
 
 # ===========================================================================
@@ -1517,9 +1601,10 @@ def validate_inputs(data: input_t) -> None:
 
 
 def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = None,
-                 stage1_splits: int = 0) -> output_t:
-    """The CUDA kernels; kernel_config and stage1_splits (slices of stage 1's
-    K, 0: the host code chooses) override the choices, for tests and sweeps."""
+                 stage1_splits: int = 0, stage2_row_tiles: int = 0) -> output_t:
+    """The CUDA kernels; kernel_config, stage1_splits (slices of stage 1's K)
+    and stage2_row_tiles (row tiles per stage-2 CTA) override the choices, for
+    tests and sweeps (0: the host code chooses)."""
     (hidden_states, gate_up_weight, down_weight, gate_up_scale, down_scale,
      _, _, _, _, topk_weights, topk_ids, config) = data
     if kernel_config is None:
@@ -1529,7 +1614,7 @@ def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = 
     return module.moe_forward(
         hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
         as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
-        config["d_hidden"], config["d_expert"], *kernel_config, stage1_splits)
+        config["d_hidden"], config["d_expert"], *kernel_config, stage1_splits, stage2_row_tiles)
 
 
 def _run_aiter(fused_moe, data: input_t) -> output_t:

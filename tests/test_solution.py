@@ -198,12 +198,15 @@ def test_random_shapes(shape):
                                    (1024, 256, 4, 2, 1, 300, 23)], ids=str)
 def test_every_gemm_config(shape, config, splits):
     """Each compiled configuration, not only the ones the chooser picks today,
-    with stage 1's K whole and in three slices; K of 224 and 63 scale blocks
-    end stages (and slices) of every size part-way, and 300 tokens over five
+    with stage 1's K whole and in three slices, and stage 2's CTAs over one
+    row tile and over three (the last CTA of each row then has fewer); K of
+    224 and 63 scale blocks (stage 1) and 10 (stage 2, d_expert 300) end
+    stages and slices of every size part-way, and 300 tokens over five
     experts fill several tiles of every size."""
     module = solution._backend(torch.device("cuda"))[1]
     run_checked(reference.generate_input(*shape),
-                run=lambda d: solution._run_kernels(module, d, config, stage1_splits=splits))
+                run=lambda d: solution._run_kernels(module, d, config, stage1_splits=splits,
+                                                    stage2_row_tiles=splits))
 
 
 @needs_cuda

@@ -3,6 +3,7 @@
     python tools/profile_kernels.py [repeats]   per-kernel device time per call
     python tools/profile_kernels.py --sweep     each GEMM config the chooser can pick, timed, and the
                                                 chosen config with stage 1's K in 1, 2, 4 and 8 slices
+                                                and stage 2's CTAs over 1, 2, 4 and 8 row tiles
     python tools/profile_kernels.py --once N    benchmark shape N (0-6, or all) called twice, for ncu
                                                 and compute-sanitizer:
         ncu -k regex:stage1 -s 5 -c 1 --set full python tools/profile_kernels.py --once 0
@@ -57,6 +58,7 @@ def per_kernel(repeats: int) -> None:
 
 
 SLICES = (1, 2, 4, 8)   # stage 1 K slices the sweep times for the chosen config
+ROW_TILES = (1, 2, 4, 8)   # row tiles per stage-2 CTA the sweep times for the chosen config
 
 
 def sweep() -> None:
@@ -86,8 +88,12 @@ def sweep() -> None:
                                         solution._has_wgmma(data[0].device.index))
         sliced = [median_us(lambda d: solution._run_kernels(module, d, chosen, stage1_splits=n), data)
                   for n in SLICES]
+        row_tiled = [median_us(lambda d: solution._run_kernels(module, d, chosen, stage2_row_tiles=n), data)
+                     for n in ROW_TILES]
         print(f"{label:<28}" + "".join(f"{us:{width}.1f}" for us in row) + f"   {chosen} (stage 1 in "
-              + "/".join(map(str, SLICES)) + " slices: " + "/".join(f"{us:.1f}" for us in sliced) + ")", flush=True)
+              + "/".join(map(str, SLICES)) + " slices: " + "/".join(f"{us:.1f}" for us in sliced)
+              + "; stage 2 CTAs of " + "/".join(map(str, ROW_TILES)) + " row tiles: "
+              + "/".join(f"{us:.1f}" for us in row_tiled) + ")", flush=True)
         stage_rows.append(f"{label:<28}" + "".join(f"{t:>{width}}" for t in stage_row))
     print("columns: tile tokens / warp rows x warp tokens / scale blocks per stage / stages, stage 1's K split\n"
           "as the host code chooses; median us of 15 calls")
