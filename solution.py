@@ -603,54 +603,46 @@ __device__ __forceinline__ void gemm_mainloop(
     zero_acc();
 
     auto stage_base = [&](int slot) { return smem + slot * S::kStageBytes; };
-    // Blocks at or past k_blocks (the last stage's tail) are zero-filled:
-    // zero weights, scales and activations add exact zeros, so every stage
-    // computes the same branch-free code; only the tail stage's copies test
-    // which blocks exist, and read nothing for those that do not.
     // Stages load in order; the next one starts at scale block first_block
-    // of the row tile whose first weight row is tile_row rows down.
+    // of the row tile whose first weight row is tile_row rows down. Blocks
+    // at or past k_blocks (the last stage's tail) are zero-filled: zero
+    // weights, scales and activations add exact zeros, so every stage
+    // computes the same branch-free code. kTail: the stage has such blocks,
+    // and each copy tests its own (copy_stage is called with a constant
+    // kTail, so the other stages' copies test nothing); copies of missing
+    // blocks read nothing, from a valid address.
     int first_block = 0;
     size_t tile_row = 0;
-    auto load_stage = [&](int slot) {
-        uint8_t* const base = stage_base(slot);
-        const int blocks = k_blocks - first_block;   // CTA-uniform; at least SB but in the tail
+    auto copy_stage = [&](const bool kTail, uint8_t* base, int blocks) {
         const size_t weight_offset = tile_row * (k_padded / 2) + first_block * 16;
         const size_t scale_offset = tile_row * scale_len + first_block;
-        if (blocks >= SB) {
+        const bool weight_valid = !kTail || tid % SB < blocks;
 #pragma unroll
-            for (int j = 0; j < S::kWeightChunks; ++j)
-                cp_async_16(base + S::kWeightOffset + weight_copy_offset(j), weight_src[j] + weight_offset, 16);
-            if (tid < kRows)
+        for (int j = 0; j < S::kWeightChunks; ++j)
+            cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
+                        weight_valid ? weight_src[j] + weight_offset : weight, weight_valid ? 16 : 0);
+        if (tid < kRows)
 #pragma unroll
-                for (int c = 0; c < SB; c += kScaleCopy)
-                    cp_async_small<kScaleCopy>(base + S::kScaleOffset + tid * SB + c, scale_src + scale_offset + c,
-                                               kScaleCopy);
-#pragma unroll
-            for (int j = 0; j < S::kActChunks; ++j)
-                cp_async_16(base + S::kActOffset + act_copy_offset(j), act_src[j] + first_block * 64,
-                            act_src_bytes[j]);
-        } else {
-            const bool weight_valid = tid % SB < blocks;
-#pragma unroll
-            for (int j = 0; j < S::kWeightChunks; ++j)
-                cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
-                            weight_valid ? weight_src[j] + weight_offset : weight, weight_valid ? 16 : 0);
-            if (tid < kRows)
-#pragma unroll
-                for (int c = 0; c < SB; c += kScaleCopy) {
-                    const int valid_bytes = max(0, min(kScaleCopy, blocks - c));
-                    cp_async_small<kScaleCopy>(base + S::kScaleOffset + tid * SB + c,
-                                               valid_bytes > 0 ? scale_src + scale_offset + c : weight_scale,
-                                               valid_bytes);
-                }
-#pragma unroll
-            for (int j = 0; j < S::kActChunks; ++j) {
-                const bool valid = (S::act_copy_chunk(tid, j) >> 2) < blocks && act_src_bytes[j] > 0;
-                cp_async_16(base + S::kActOffset + act_copy_offset(j),
-                            valid ? act_src[j] + first_block * 64 : reinterpret_cast<const uint8_t*>(act),
-                            valid ? 16 : 0);
+            for (int c = 0; c < SB; c += kScaleCopy) {
+                const int valid_bytes = kTail ? max(0, min(kScaleCopy, blocks - c)) : kScaleCopy;
+                cp_async_small<kScaleCopy>(base + S::kScaleOffset + tid * SB + c,
+                                           valid_bytes > 0 ? scale_src + scale_offset + c : weight_scale,
+                                           valid_bytes);
             }
+#pragma unroll
+        for (int j = 0; j < S::kActChunks; ++j) {
+            const bool valid = !kTail || (S::act_copy_chunk(tid, j) >> 2) < blocks;
+            cp_async_16(base + S::kActOffset + act_copy_offset(j),
+                        valid ? act_src[j] + first_block * 64 : reinterpret_cast<const uint8_t*>(act),
+                        valid ? act_src_bytes[j] : 0);
         }
+    };
+    auto load_stage = [&](int slot) {
+        const int blocks = k_blocks - first_block;   // CTA-uniform; at least SB but in the tail
+        if (blocks >= SB)
+            copy_stage(false, stage_base(slot), blocks);
+        else
+            copy_stage(true, stage_base(slot), blocks);
         first_block += SB;
         if (first_block >= k_blocks) {
             first_block = 0;
