@@ -1170,19 +1170,25 @@ __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
     return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>());
 }
 
+// The GEMM tiles a call will have, estimated as pairs / tile_tokens plus
+// half the active experts: the host does not know the routing, and must not
+// wait for it.
+template <typename S>
+int estimated_tiles(int num_pairs, int n_experts) {
+    return num_pairs / S::kTokens + std::min(n_experts, num_pairs) / 2 + 1;
+}
+int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
 // Slices of K for stage 1. Each tile's CTAs stream their whole K, so when
 // there are few tiles (few tokens) a partial last wave of CTAs leaves SMs
 // idle. Slices multiply the CTAs; each costs a write and a read of fp32
 // partial sums, so take the fewest slices whose CTAs fill their last wave to
 // at least 85% (at most one slice per four stages of K; the best fill there
-// if none reaches 85%). The tiles are estimated as pairs / tile_tokens plus
-// half the active experts (the host does not know the routing, and must not
-// wait for it).
+// if none reaches 85%).
 template <typename S, typename Kernel>
 int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n_experts, int k_blocks) {
-    const int slots = ctas_per_sm(kernel, S::kThreads, smem)
-                    * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int ctas = (num_pairs / S::kTokens + std::min(n_experts, num_pairs) / 2 + 1) * cta_columns;
+    const int slots = ctas_per_sm(kernel, S::kThreads, smem) * sm_count();
+    const int ctas = estimated_tiles<S>(num_pairs, n_experts) * cta_columns;
     const int k_stages = (k_blocks + S::kStageBlocks - 1) / S::kStageBlocks;
     int best = 1;
     double best_fill = 0.0;
@@ -1201,14 +1207,13 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n
 // losing CTAs per SM to them costs more than the overlap gains (H200
 // sweep: with one-stage K, 2 row tiles per CTA 3-5% faster, 4 and 8 slower
 // than 1). So take the most row tiles (up to 8) that fit as many CTAs per
-// SM as one row tile does and leave at least two waves of CTAs, tiles
-// estimated as in stage1_splits. (One for warpgroup-MMA configs: see
-// GemmShape::kRowTiles.)
+// SM as one row tile does and leave at least two waves of CTAs. (The caller
+// keeps one for warpgroup-MMA configs: see GemmShape::kRowTiles.)
 template <typename S, typename Kernel>
 int stage2_row_tiles(Kernel kernel, int epilogue_bytes, int num_pairs, int n_experts, int k_blocks, int grid_rows) {
-    const int tiles = num_pairs / S::kTokens + std::min(n_experts, num_pairs) / 2 + 1;
+    const int tiles = estimated_tiles<S>(num_pairs, n_experts);
     const int per_sm = ctas_per_sm(kernel, S::kThreads, S::shared_bytes(k_blocks, epilogue_bytes, 1));
-    const long long slots = (long long)per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const long long slots = (long long)per_sm * sm_count();
     for (int row_tiles = 8; row_tiles > 1; row_tiles /= 2)
         if (ctas_per_sm(kernel, S::kThreads, S::shared_bytes(k_blocks, epilogue_bytes, row_tiles)) == per_sm
             && (long long)tiles * ((grid_rows + row_tiles - 1) / row_tiles) >= 2 * slots)
