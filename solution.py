@@ -11,7 +11,8 @@ load_inline and cached:
 
   routing      per-expert token counts, offsets, the sorted (token, slot) list
                and the tile table, on the device (one CTA);
-  quantise     Qa of the hidden states, and zeroing of the fp32 accumulator;
+  quantise     Qa of the hidden states (bf16 values, or E4M3 codes and block
+               scales for the FP8 configs), and zeroing of the fp32 accumulator;
   stage 1      gate/up GEMM + SwiGLU + bf16 rounding + Qa of the intermediate
                (with few tiles: the GEMM over slices of K, then a kernel that
                sums the slices in a fixed order before SwiGLU and Qa);
@@ -27,9 +28,13 @@ run bf16 MMAs (mma.sync; on sm_90 for 64-token tiles the warpgroup wgmma) on
 operands that carry their block scales: the weights are
 converted fp4 -> bf16 times their E8M0 scale in registers, and Qa writes its
 dequantised activations as bf16. Every product is exact and the MMA sums the
-whole K in fp32: the exact a4w4 value up to fp32 summation order. (The e4m3
-mma.sync that an fp8 path would use runs on sm_90 as F2FP conversions plus
-fp16 HMMA; Hopper's fp8 tensor cores are reachable only through wgmma.)
+whole K in fp32: the exact a4w4 value up to fp32 summation order. On sm_90,
+8- and 16-token tiles instead run e4m3 warpgroup MMAs (E2M1 is exact in
+E4M3, and the fp4 -> e4m3 conversion is cheaper than fp4 -> bf16): each
+32-value block's exact sum is scaled by its two block scales in fp32, again
+exact up to summation order. (The e4m3 mma.sync runs on sm_90 as F2FP
+conversions plus fp16 HMMA; Hopper's fp8 tensor cores are reachable only
+through wgmma.)
 
 On ROCm with AITER importable, AITER's fused_moe runs (as the official
 submission template does; our kernels have not been verified on AMD). Anywhere
@@ -60,6 +65,7 @@ COMMON_SOURCE = r"""
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include <string.h>
+#include <type_traits>
 
 // The bit-level format helpers below also compile for the host, where a unit
 // test checks them against reference.py without a GPU.
@@ -149,6 +155,11 @@ MOE_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
 MOE_HD uint32_t weight_multiplier_of_byte(uint32_t four_scales, int k) {
     return byte_perm(four_scales + 0x7E7E7E7Eu, 0u, 0x4040u | (uint32_t)k * 0x101u) << 7;
 }
+// True if any of four packed scale bytes is above limit.
+MOE_HD bool any_scale_above(uint32_t four_scales, uint32_t limit) {
+    return (four_scales & 0xFFu) > limit || (four_scales >> 8 & 0xFFu) > limit
+        || (four_scales >> 16 & 0xFFu) > limit || four_scales >> 24 > limit;
+}
 // True if any of four packed scale bytes is above 128 (needs the second factor).
 MOE_HD bool any_scale_above_128(uint32_t four_scales) {
     return (four_scales & 0x80808080u & ((four_scales & 0x7F7F7F7Fu) + 0x7F7F7F7Fu)) != 0u;
@@ -161,6 +172,35 @@ MOE_HD bool any_scale_above_128(uint32_t four_scales) {
 // pair 2s+h, so value 8t + (2s+h) + 4l is logical k 16s + 8h + 2t + l.
 MOE_HD int act_position(int p) {
     return ((p >> 1) & 1) << 4 | (p & 1) << 3 | (p >> 3) << 1 | ((p >> 2) & 1);
+}
+
+// FP8 configs (warpgroup e4m3 MMAs, sm_90a) take both operands unscaled: an
+// E2M1 code placed in an E4M3 byte, sign to bit 7 and magnitude bits to
+// bits 2..4, is exactly its value times 2^-6 (code 1, 0.5, becomes the E4M3
+// subnormal 2^-7). Every product is then exact and carries 2^-12, and each
+// 32-value block's fp32 sum is scaled by its two block scales afterwards
+// (gemm_mainloop). E4M3 0x7F is NaN.
+constexpr uint32_t kE4m3Nan = 0x7Fu;
+// The largest weight scale byte for which the FP8 path's one-fma scaling is
+// exact (gemm_mainloop's compute_blocks_fp8).
+constexpr uint32_t kFp8NarrowScale = 242;
+MOE_HD uint32_t e2m1_to_e4m3(uint32_t code) {
+    return (code & 8u) << 4 | (code & 7u) << 2;
+}
+// A word of eight fp4 codes (two per byte, low nibble first) as E4M3 bytes:
+// its even values (the low nibbles) and its odd values, in byte order.
+MOE_HD uint32_t fp4_even_to_e4m3(uint32_t word) {
+    return (word << 2 & 0x1C1C1C1Cu) | (word << 4 & 0x80808080u);
+}
+MOE_HD uint32_t fp4_odd_to_e4m3(uint32_t word) {
+    return (word >> 2 & 0x1C1C1C1Cu) | (word & 0x80808080u);
+}
+// E4M3 activations, each block permuted to pair with those weight bytes:
+// thread t of a quad holds weight word t (values 8t..8t+7) and gives its
+// even values as the k32 MMA's A register for k 4t..4t+3, its odd values
+// for k 16+4t..16+4t+3. So physical value p sits at k = fp8_act_position(p).
+MOE_HD int fp8_act_position(int p) {
+    return (p & 1) << 4 | (p >> 3) << 2 | ((p >> 1) & 3);
 }
 
 // Qa's block exponent e for a block whose largest magnitude is amax (not
@@ -177,25 +217,38 @@ MOE_HD float exact_pow2(int e) {
     return bits_to_float((uint32_t)(127 + (e >> 1)) << 23) * bits_to_float((uint32_t)(127 + (e - (e >> 1))) << 23);
 }
 
-// Qa's dequantised value of v in a block of exponent e: code * 2^e, exact in
-// bf16. v * 2^-e is taken in two exact steps (see exact_pow2).
-__device__ __forceinline__ float qa_value(float v, int e) {
+// Qa's E2M1 code of v in a block of exponent e. v * 2^-e is taken in two
+// exact steps (see exact_pow2).
+__device__ __forceinline__ uint32_t qa_code(float v, int e) {
     const float inv_half = bits_to_float((uint32_t)(127 - (e >> 1)) << 23);
     const float inv_rest = bits_to_float((uint32_t)(127 - (e - (e >> 1))) << 23);
-    return e2m1_value(e2m1_code(v * inv_half * inv_rest)) * exact_pow2(e);
+    return e2m1_code(v * inv_half * inv_rest);
+}
+// Qa's dequantised value of v: code * 2^e, exact in bf16.
+__device__ __forceinline__ float qa_value(float v, int e) {
+    return e2m1_value(qa_code(v, e)) * exact_pow2(e);
 }
 
-// Qa of one 32-value block held one value per lane (SPEC section 4): writes
-// the dequantised values to the block's 32 bf16 slots in act_position order;
-// all NaN if any value is NaN, so that NaN reaches the output instead of
+// Qa of one 32-value block held one value per lane (SPEC section 4), in the
+// activation format of the GEMM that reads it: kFp8, the E4M3 codes at
+// fp8_act_position in the block's 32 bytes of dst and 2^e in *scale;
+// otherwise the dequantised bf16 values at act_position in its 64 bytes.
+// All NaN if any value is NaN, so that NaN reaches the output instead of
 // vanishing in the max.
-__device__ __forceinline__ void quantize_block_warp(float v, int lane, __nv_bfloat16* dst) {
+template <bool kFp8>
+__device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* dst, float* scale) {
     float amax = fabsf(v);
     for (int offset = 16; offset > 0; offset >>= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const bool has_nan = __any_sync(0xffffffffu, isnan(v));
-    const float value = qa_value(v, qa_exponent(amax));
-    dst[act_position(lane)] = __float2bfloat16_rn(has_nan ? __int_as_float(0x7FC00000) : value);
+    const int e = qa_exponent(amax);
+    if (kFp8) {
+        dst[fp8_act_position(lane)] = (uint8_t)(has_nan ? kE4m3Nan : e2m1_to_e4m3(qa_code(v, e)));
+        if (lane == 0) *scale = exact_pow2(e);
+    } else {
+        reinterpret_cast<__nv_bfloat16*>(dst)[act_position(lane)] =
+            __float2bfloat16_rn(has_nan ? __int_as_float(0x7FC00000) : qa_value(v, e));
+    }
 }
 
 __device__ __forceinline__ int2 warp_inclusive_scan(int2 v, int lane) {
@@ -303,19 +356,21 @@ class KernelConfig(NamedTuple):
     warp_tokens: int    # tokens per warp, a multiple of 8 dividing tile_tokens
     stage_blocks: int   # scale blocks (32 K values) per cp.async pipeline stage
     stages: int         # pipeline depth
-    wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with 64 tokens only)
+    wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
+    fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 or 16 tokens)
 
     def __str__(self):
-        return "%d/%dx%d/%d/%d" % self[:5] + ("/wgmma" if self.wgmma else "")
+        return "%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
 
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
 GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8, 3, False),
                 KernelConfig(64, 16, 64, 4, 4, False), KernelConfig(64, 32, 64, 4, 4, False),
-                KernelConfig(64, 16, 64, 4, 4, True))
+                KernelConfig(64, 16, 64, 4, 4, True),
+                KernelConfig(8, 16, 8, 8, 4, True, True), KernelConfig(16, 16, 16, 8, 3, True, True))
 GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
     f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
-    f"{'true' if c.wgmma else 'false'})"
+    f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'})"
     for c in GEMM_CONFIGS) + "\n"
 
 GEMM_SOURCE = r"""
@@ -410,6 +465,36 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
     __trap();
 #endif
 }
+// d(64 x 8*N8) = a(64 x 32) . b(32 x 8*N8), e4m3 in, fp32 out; d's previous
+// contents are discarded (scale-d false): one scale block's fresh sum. a
+// from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows
+// g, g+8, then k 16+4t.. of both), b as in wgmma_m64n64k16.
+template <int N8>
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t b_descriptor) {
+    static_assert(N8 == 1 || N8 == 2, "8 or 16 tokens");
+#ifdef MOE_HAS_WGMMA
+    if constexpr (N8 == 1)
+        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %9, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, accumulate, 1, 1;\n}\n"
+                     : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+    else
+        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %13, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, accumulate, 1, 1;\n}\n"
+                     : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
+                       "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+#else
+    __trap();
+#endif
+}
+// Keeps the compiler from moving a read of an asynchronous MMA's result
+// above the wgmma_wait that makes it valid (volatile asm stays in order).
+__device__ __forceinline__ void pin_register(float& x) {
+    asm volatile("" : "+f"(x));
+}
 // Orders this thread's register writes (A fragments, accumulators) before the
 // warpgroup MMAs that follow.
 __device__ __forceinline__ void wgmma_fence() {
@@ -443,13 +528,20 @@ __device__ __forceinline__ void fence_async_shared() {
 // with one m-tile convert half the weights each, so twice as many of them
 // share a stage's shared memory; warps with all the tile's tokens convert
 // each weight once per CTA. WG: the MMAs are warpgroup MMAs (sm_90a), each
-// warpgroup 64 rows x all 64 tokens, the tokens read by the tensor cores
-// straight from shared memory (no ldmatrix, no B fragments in registers).
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
+// warpgroup 64 rows x all the tile's tokens, the tokens read by the tensor
+// cores straight from shared memory (no ldmatrix, no B fragments in
+// registers): bf16 for 64 tokens, or (FP8) e4m3 for 8 or 16, with fp32
+// activation block scales beside them in each stage.
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 struct GemmShape {
     static_assert((MT == 1 || MT == 2) && NT % WT == 0 && SB % 4 == 0, "GEMM tiling");
-    static_assert(!WG || (MT == 1 && WT == NT && NT == 8), "warpgroup MMAs are built for 16-row, 64-token warps");
-    static constexpr bool kWgmma = WG;
+    static_assert(!WG || (MT == 1 && WT == NT && (FP8 ? NT <= 2 : NT == 8)),
+                  "warpgroup MMAs are built for 16-row warps with 64 (bf16) or 8 or 16 (e4m3) tokens");
+    static_assert(!FP8 || WG, "e4m3 MMAs are warpgroup MMAs");
+    static constexpr bool kWgmma = WG, kFp8 = FP8;
+    // bf16 warpgroup MMAs may still read a stage after the warps leave it
+    // (see gemm_mainloop's kAhead); e4m3 ones are waited for per stage.
+    static constexpr bool kAsyncStages = WG && !FP8;
     static constexpr int kTokens = NT * 8;
     static constexpr int kMTiles = MT, kWarpTiles = WT, kStageBlocks = SB, kStages = STAGES;
     static constexpr int kWarpRows = MT * 16;
@@ -461,37 +553,46 @@ struct GemmShape {
     // Row strides padded by 16 bytes, so that the eight 16-byte rows an
     // ldmatrix phase reads fall in eight different bank groups.
     static constexpr int kWeightStride = SB * 16 + 16;
+    static constexpr int kActValueBytes = FP8 ? 1 : 2;
     static constexpr int kActStride = SB * kScaleBlock * 2 + 16;
     static constexpr int kWeightBytes = kRows * kWeightStride;
     static constexpr int kWeightScaleBytes = kRows * SB;
-    static constexpr int kActBytes = WG ? kTokens * SB * 64 : kTokens * kActStride;
-    // A stage: weights, their scales, activations; for warpgroup MMAs the
-    // activations first, in 1024-byte-aligned stages (the swizzle below).
+    static constexpr int kActBytes = WG ? kTokens * SB * kScaleBlock * kActValueBytes : kTokens * kActStride;
+    static constexpr int kActScaleBytes = FP8 ? kTokens * SB * 4 : 0;   // [token][block] fp32
+    // A stage: weights, their scales, activations (and FP8: their scales);
+    // for warpgroup MMAs the activations first, in 1024-byte-aligned stages
+    // (the swizzle below).
     static constexpr int kActOffset = WG ? 0 : kWeightBytes + kWeightScaleBytes;
     static constexpr int kWeightOffset = WG ? kActBytes : 0;
     static constexpr int kScaleOffset = kWeightOffset + kWeightBytes;
+    static constexpr int kActScaleOffset = kScaleOffset + kWeightScaleBytes + (WG ? 0 : kActBytes);
     static constexpr int kStageAlignment = WG ? 1024 : 16;
-    static constexpr int kStageBytes = (kWeightBytes + kWeightScaleBytes + kActBytes + kStageAlignment - 1)
-                                     / kStageAlignment * kStageAlignment;
+    static constexpr int kStageBytes = (kWeightBytes + kWeightScaleBytes + kActBytes + kActScaleBytes
+                                        + kStageAlignment - 1) / kStageAlignment * kStageAlignment;
     static constexpr int kAlignmentSlack = kStageAlignment - 16;   // dynamic shared memory is 16-byte aligned
     static constexpr int kWeightChunks = kRows * SB / kThreads;       // 16-byte copies per thread
-    static constexpr int kActRowChunks = SB * 4;                      // 16-byte chunks per token row
-    static constexpr int kActChunks = kTokens * kActRowChunks / kThreads;
-    static_assert(kThreads >= kRows && kRows * SB % kThreads == 0 && kTokens * kActRowChunks % kThreads == 0,
-                  "copy split");
+    static constexpr int kActRowChunks = SB * kScaleBlock * kActValueBytes / 16;   // 16-byte chunks per token row
+    static constexpr int kActCopies = kTokens * kActRowChunks;
+    static constexpr int kActChunks = (kActCopies + kThreads - 1) / kThreads;
+    static constexpr int kActScaleCopies = kActScaleBytes / 16;
+    static_assert(kThreads >= kRows && kRows * SB % kThreads == 0
+                  && (kActCopies % kThreads == 0 || (kActCopies < kThreads && kThreads % kActRowChunks == 0))
+                  && kActScaleCopies <= kThreads, "copy split");
     // Activation copy j of thread tid: token, 16-byte chunk within the stage's
     // row, and where the chunk goes in shared memory. Consecutive threads copy
-    // contiguous bytes of one token: 64 for WG (so that a warp's copies land
-    // in distinct bank groups), the whole stage row otherwise.
-    static_assert(!WG || kThreads / 4 == kTokens, "WG: four threads per token");
+    // contiguous bytes of one token: 64 for bf16 WG (so that a warp's copies
+    // land in distinct bank groups), the whole stage row otherwise. With
+    // fewer chunks than threads, threads past kActCopies copy none.
+    static constexpr bool kFourPerToken = WG && !FP8;
+    static_assert(!kFourPerToken || kThreads / 4 == kTokens, "bf16 WG: four threads per token");
     static __device__ __forceinline__ int act_copy_token(int tid, int j) {
-        return WG ? tid >> 2 : tid / kActRowChunks + j * (kThreads / kActRowChunks);
+        return kFourPerToken ? tid >> 2 : tid / kActRowChunks + j * (kThreads / kActRowChunks);
     }
     static __device__ __forceinline__ int act_copy_chunk(int tid, int j) {
-        return WG ? (tid & 3) + 4 * j : tid % kActRowChunks;
+        return kFourPerToken ? (tid & 3) + 4 * j : tid % kActRowChunks;
     }
     // Warpgroup MMAs read the tokens in the 128-byte-swizzled K-major layout:
-    // atoms of 8 tokens x 64 values (128 bytes per token), chunk c of token i
+    // atoms of 8 tokens x 128 bytes (64 bf16 or 128 e4m3 values), chunk c of token i
     // at chunk c ^ (i % 8) of its row, so the tensor cores' reads (and the
     // copies) spread over all banks.
     static __device__ __forceinline__ int act_offset(int token, int chunk) {
@@ -503,14 +604,16 @@ struct GemmShape {
     // run a stage or two each and hide memory latency only behind each
     // other. 8-token tiles are capped at 64 registers so that 1024 threads
     // fit per SM, 16-token tiles at 80 (768 threads; 64 would spill).
-    // Warpgroup-MMA CTAs are capped at 128 registers so that two fit per SM.
+    // bf16 warpgroup-MMA CTAs are capped at 128 registers so that two fit
+    // per SM; e4m3 ones at 80 (8 tokens; 64 spills) and 128 (16; 80 spills).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
-    static constexpr int kStage2MinBlocks = WG ? 2 : NT == 1 ? 4 : NT == 2 ? 3 : 1;
-    // Several row tiles per CTA (gemm_mainloop): not with warpgroup MMAs,
-    // where zeroing the accumulators between a tile's MMAs and the next
-    // tile's makes ptxas serialise every wgmma; their configs serve the
-    // long-K shapes, where a CTA's K alone fills its pipeline.
-    static constexpr bool kRowTiles = !WG;
+    static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3) : 1;
+    // Several row tiles per CTA (gemm_mainloop): not with bf16 warpgroup
+    // MMAs, where zeroing the accumulators between a tile's MMAs and the
+    // next tile's makes ptxas serialise every wgmma; their configs serve the
+    // long-K shapes, where a CTA's K alone fills its pipeline. (e4m3 MMAs
+    // write fresh per-block sums, not the accumulators.)
+    static constexpr bool kRowTiles = !WG || FP8;
     // Pipeline slots of a CTA that streams row_tiles row tiles over k_blocks
     // scale blocks each: as many stages as that, up to kStages (so that
     // short-K CTAs fit more per SM).
@@ -535,15 +638,18 @@ struct GemmShape {
 };
 
 // acc[m-tile][n-tile][4] = W . A over k_blocks scale blocks, for this warp's
-// MT*16 weight rows and WT*8 tokens, W and A dequantised exactly (the
-// weights here, fp4 -> bf16 times their block scale; the activations by Qa).
+// MT*16 weight rows and WT*8 tokens, W and A dequantised exactly: bf16 MMAs
+// on the weights converted fp4 -> bf16 times their block scale here and the
+// activations as Qa's bf16 values; or (FP8) e4m3 MMAs on both unscaled,
+// each block's sum times its two scales added into acc in fp32.
 // The weight rows sit on the MMA's M side, so a handful of tokens fills it.
 //   weight_row_of(r)  row, within the expert's `weight` and `weight_scale`, of
 //                     the CTA's local weight row r (0..kRows-1);
 //   act_row_of(i)     row of `act` holding the tile's token i, -1 past the
 //                     tile's end: zero-filled, finite, discarded.
 // Rows are k_padded values long: k_padded/2 weight bytes, k_padded/32 scales,
-// k_padded bf16 activations.
+// k_padded activations (bf16, or FP8: e4m3 codes, with k_padded/32 fp32
+// scales in act_scale).
 // Row tiles: the CTA computes row_tiles tiles of kRows rows, tile i's rows
 // being tile 0's plus i * row_tile_step, through one pipeline, so that the
 // next tile's stages load while this one finishes (short-K CTAs otherwise
@@ -554,7 +660,8 @@ template <typename S, typename WeightRowOf, typename ActRowOf, typename TileDone
 __device__ __forceinline__ void gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
-        const __nv_bfloat16* __restrict__ act, ActRowOf act_row_of, int k_padded, int k_blocks,
+        const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
+        int k_padded, int k_blocks,
         int row_tiles, int row_tile_step, TileDone tile_done) {
     constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks, kStages = S::kStages;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
@@ -584,13 +691,22 @@ __device__ __forceinline__ void gemm_mainloop(
     // Activation rows past the tile's end read nothing (zero-fill) from row 0.
     const uint8_t* act_src[S::kActChunks];
     int act_src_bytes[S::kActChunks];
+    constexpr bool kEveryThreadCopiesActs = S::kActCopies % S::kThreads == 0;
 #pragma unroll
     for (int j = 0; j < S::kActChunks; ++j) {
-        const int row = act_row_of(S::act_copy_token(tid, j));
-        act_src[j] = reinterpret_cast<const uint8_t*>(act + (size_t)(row >= 0 ? row : 0) * k_padded)
+        const int token = S::act_copy_token(tid, j);
+        const int row = kEveryThreadCopiesActs || token < S::kTokens ? act_row_of(token) : -1;
+        act_src[j] = act + (size_t)(row >= 0 ? row : 0) * k_padded * S::kActValueBytes
                    + S::act_copy_chunk(tid, j) * 16;
         act_src_bytes[j] = row >= 0 ? 16 : 0;
     }
+    // FP8: thread tid < kActScaleCopies copies 16 bytes (4 blocks) of token
+    // tid / (SB/4)'s activation scales.
+    constexpr int kActScaleChunks = SB / 4;
+    const int act_scale_token = tid / kActScaleChunks, act_scale_chunk = tid % kActScaleChunks;
+    const int act_scale_row = tid < S::kActScaleCopies ? act_row_of(act_scale_token) : -1;
+    const float* act_scale_src = act_scale + (size_t)(act_scale_row >= 0 ? act_scale_row : 0) * scale_len
+                               + act_scale_chunk * 4;
 
     auto zero_acc = [&] {
 #pragma unroll
@@ -629,12 +745,20 @@ __device__ __forceinline__ void gemm_mainloop(
                                            valid_bytes > 0 ? scale_src + scale_offset + c : weight_scale,
                                            valid_bytes);
             }
+        constexpr int kChunksPerBlock = kScaleBlock * S::kActValueBytes / 16;
 #pragma unroll
-        for (int j = 0; j < S::kActChunks; ++j) {
-            const bool valid = !kTail || (S::act_copy_chunk(tid, j) >> 2) < blocks;
-            cp_async_16(base + S::kActOffset + act_copy_offset(j),
-                        valid ? act_src[j] + first_block * 64 : reinterpret_cast<const uint8_t*>(act),
-                        valid ? act_src_bytes[j] : 0);
+        for (int j = 0; j < S::kActChunks; ++j)
+            if (kEveryThreadCopiesActs || tid < S::kActCopies) {
+                const bool valid = !kTail || S::act_copy_chunk(tid, j) / kChunksPerBlock < blocks;
+                cp_async_16(base + S::kActOffset + act_copy_offset(j),
+                            valid ? act_src[j] + first_block * (kScaleBlock * S::kActValueBytes) : act,
+                            valid ? act_src_bytes[j] : 0);
+            }
+        if (S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
+            const int valid_blocks = kTail ? min(4, max(0, blocks - 4 * act_scale_chunk)) : 4;
+            const bool valid = act_scale_row >= 0 && valid_blocks > 0;
+            cp_async_16(base + S::kActScaleOffset + (act_scale_token * SB + 4 * act_scale_chunk) * 4,
+                        valid ? act_scale_src + first_block : act_scale, valid ? 4 * valid_blocks : 0);
         }
     };
     auto load_stage = [&](int slot) {
@@ -717,7 +841,7 @@ __device__ __forceinline__ void gemm_mainloop(
                         a[mt][1][h] = p[2];
                         a[mt][1][2 + h] = p[3];
                     }
-                if constexpr (S::kWgmma) {
+                if constexpr (S::kAsyncStages) {   // bf16 warpgroup MMAs
                     // Both k16 steps of the block on the warpgroup, then wait
                     // only for the previous block's: converting the next block
                     // overlaps this one's MMAs.
@@ -751,26 +875,108 @@ __device__ __forceinline__ void gemm_mainloop(
         }
     };
 
+    // FP8: a stage's SB blocks as e4m3 warpgroup MMAs, each block's fresh
+    // sum P (of products carrying 2^-12) added into acc as
+    // P * 2^12 * weight scale * activation scale. Block b's MMAs run while
+    // block b+1 converts; its sum is added after the next block's MMAs are
+    // issued (more blocks in flight measured no faster, and cost stage 2
+    // registers). Narrow (every weight scale byte of the stage at most
+    // kFp8NarrowScale): P * 2^(s-115) is exact (a multiple of 2^(s-129)
+    // below 2^(s-116)), so one fma with the activation scale rounds once.
+    // kWide: the exponent sum c, split into two factors that cannot
+    // overflow, the first applied exactly; scale byte 255 is NaN. (Generic
+    // in wide, a std::bool_constant, so that only FP8 configs compile it.)
+    auto compute_blocks_fp8 = [&](auto wide, const uint8_t* w_s, const uint8_t* a_s, const float* a_scale_s) {
+        constexpr bool kWide = decltype(wide)::value;
+        const int t = lane & 3;
+        float sums[2][WT][4];   // block b's in sums[b % 2]
+        auto add_block = [&](int block, float (&sum)[WT][4]) {
+            float act_factor[WT][2];   // tokens 2t and 2t+1 of each n-tile
+#pragma unroll
+            for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) act_factor[nt][j] = a_scale_s[(nt * 8 + 2 * t + j) * SB + block];
+            float weight_factor[2];
+            uint32_t weight_byte[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t s4 = scales[0][h][block / 4];
+                weight_byte[h] = (s4 >> (8 * (block % 4))) & 0xFFu;
+                if (!kWide)   // 2^(s - 115): exponent field s + 12
+                    weight_factor[h] = bits_to_float(byte_perm(s4 + 0x0C0C0C0Cu, 0u, 0x4044u | (block % 4) << 8) << 7);
+            }
+#pragma unroll
+            for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    pin_register(sum[nt][i]);
+                    if (!kWide) {
+                        acc[0][nt][i] = fmaf(sum[nt][i] * weight_factor[i >> 1], act_factor[nt][i & 1], acc[0][nt][i]);
+                    } else {
+                        // act_factor = 2^(field - 127), 2^-127 having field 0 too.
+                        const int c = (int)weight_byte[i >> 1] + (int)(float_to_bits(act_factor[nt][i & 1]) >> 23) - 242;
+                        const int c1 = min(max(c, -126), 127), c2 = min(c - c1, 127);
+                        const float f1 = weight_byte[i >> 1] == 255u ? __int_as_float(0x7FC00000)
+                                                                     : bits_to_float((uint32_t)(c1 + 127) << 23);
+                        acc[0][nt][i] = fmaf(sum[nt][i] * f1, bits_to_float((uint32_t)(c2 + 127) << 23),
+                                             acc[0][nt][i]);
+                    }
+                }
+        };
+#pragma unroll
+        for (int bp = 0; bp < SB; bp += 2) {
+            uint32_t next[MT][4];
+            if (bp + 2 < SB) load_weight_words(next, w_s, bp + 2);
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int block = bp + q;
+                // Rows g and g+8: even values of both, then odd values of both.
+                const uint32_t a[4] = {fp4_even_to_e4m3(w[0][2 * q]), fp4_even_to_e4m3(w[0][2 * q + 1]),
+                                       fp4_odd_to_e4m3(w[0][2 * q]), fp4_odd_to_e4m3(w[0][2 * q + 1])};
+                wgmma_fence();
+                wgmma_e4m3<WT>(sums[q], a, wgmma_descriptor(a_s + S::act_offset(0, 2 * block)));
+                wgmma_commit();
+                if (block > 0) {
+                    wgmma_wait<1>();
+                    add_block(block - 1, sums[q ^ 1]);
+                }
+            }
+            if (bp + 2 < SB)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) w[0][i] = next[0][i];
+        }
+        wgmma_wait<0>();
+        add_block(SB - 1, sums[1]);
+    };
+
     auto compute_stage = [&](int slot, bool wide) {
         const uint8_t* w_s = stage_base(slot) + S::kWeightOffset;
         const uint8_t* a_s = stage_base(slot) + S::kActOffset;
-        if (wide)
-            compute_blocks(true, w_s, a_s);
-        else
-            compute_blocks(false, w_s, a_s);
+        if constexpr (S::kFp8) {
+            const float* a_scale_s = reinterpret_cast<const float*>(stage_base(slot) + S::kActScaleOffset);
+            if (wide)
+                compute_blocks_fp8(std::true_type(), w_s, a_s, a_scale_s);
+            else
+                compute_blocks_fp8(std::false_type(), w_s, a_s, a_scale_s);
+        } else {
+            if (wide)
+                compute_blocks(true, w_s, a_s);
+            else
+                compute_blocks(false, w_s, a_s);
+        }
     };
 
     // kStages-deep cp.async pipeline, kAhead stages loading while one is
     // computed. The slot refilled after the barrier of stage s is that of
-    // stage s + kAhead - kStages. mma.sync finished with it before the
-    // barrier (kAhead = kStages - 1: the previous stage). Warpgroup MMAs are
-    // asynchronous: they refill the stage before the previous one
+    // stage s + kAhead - kStages. mma.sync and e4m3 warpgroup MMAs finished
+    // with it before the barrier (kAhead = kStages - 1: the previous stage).
+    // bf16 warpgroup MMAs are left running: they refill the stage before the previous one
     // (kAhead = kStages - 2), which each warp's first wgmma_wait<1> of stage
     // s - 1 has seen complete, so the tensor cores never drain at a stage's
     // end. When K has fewer stages than kStages, the prologue loads all of
     // them and no slot beyond n_stages is touched, so shared_bytes() may
     // allocate just n_stages slots.
-    constexpr int kAhead = S::kWgmma ? kStages - 2 : kStages - 1;
+    constexpr int kAhead = S::kAsyncStages ? kStages - 2 : kStages - 1;
     static_assert(kAhead >= 1, "pipeline depth");
 #pragma unroll
     for (int s = 0; s < kAhead; ++s) {
@@ -781,7 +987,8 @@ __device__ __forceinline__ void gemm_mainloop(
     for (int s = 0; s < n_stages; ++s) {
         cp_async_wait<kAhead - 1>();
         if constexpr (S::kWgmma) fence_async_shared();
-        // Whether any of the stage's weight scales is above 128. Thread r < kRows
+        // Whether any of the stage's weight scales is above 128 (FP8:
+        // kFp8NarrowScale): the slower exact path. Thread r < kRows
         // copied row r's scales, so it may read them before the barrier, which
         // ORs the answers: the whole CTA takes one path (a warpgroup's MMAs
         // must be the same instructions in all of its warps).
@@ -789,8 +996,11 @@ __device__ __forceinline__ void gemm_mainloop(
         if (tid < kRows)
 #pragma unroll
             for (int i = 0; i < SB / 4; ++i)
-                wide |= any_scale_above_128(*reinterpret_cast<const uint32_t*>(
-                    stage_base(s % kStages) + S::kScaleOffset + tid * SB + 4 * i));
+            {
+                const uint32_t four_scales = *reinterpret_cast<const uint32_t*>(
+                    stage_base(s % kStages) + S::kScaleOffset + tid * SB + 4 * i);
+                wide |= S::kFp8 ? any_scale_above(four_scales, kFp8NarrowScale) : any_scale_above_128(four_scales);
+            }
         wide = __syncthreads_or(wide);
         load_stage_fragments(s % kStages);
         const int next = s + kAhead;
@@ -832,15 +1042,17 @@ __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const i
 STAGE1_SOURCE = r"""
 namespace moe {
 
-// Qa of the hidden states into the bf16 activation layout, and zeroing of the
-// fp32 accumulator that stage 2 adds into. Four threads share a 32-value
-// block, eight values each (one 16-byte load), so that the kernel moves
-// whole sectors; CTA (token, y) covers columns [512y, 512y+512).
+// Qa of the hidden states into the GEMMs' activation format (bf16 values, or
+// kFp8: E4M3 codes and fp32 block scales), and zeroing of the fp32
+// accumulator that stage 2 adds into. Four threads share a 32-value block,
+// eight values each (one 16-byte load), so that the kernel moves whole
+// sectors; CTA (token, y) covers columns [512y, 512y+512).
 constexpr int kQuantizeThreads = 64;
 constexpr int kQuantizeColumns = kQuantizeThreads * 8;
+template <bool kFp8>
 __global__ void __launch_bounds__(kQuantizeThreads) quantize_hidden_kernel(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
-        __nv_bfloat16* __restrict__ act, float* __restrict__ accumulator) {
+        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
     const int token = blockIdx.x, quad = threadIdx.x & 3;
     const int k = blockIdx.y * kQuantizeColumns + threadIdx.x * 8;
     if (k >= d_hidden_pad) return;   // whole blocks: d_hidden_pad is a multiple of 32
@@ -870,14 +1082,30 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_hidden_kernel(
         has_nan |= __shfl_xor_sync(0xffffffffu, (int)has_nan, offset) != 0;
     }
     const int e = qa_exponent(amax);
-    // Values 8q+i and 8q+i+4 of the block (q = quad) are neighbours in
-    // act_position order, at 8i + 2q: one 4-byte store per pair.
-    __nv_bfloat16* dst = act + (size_t)token * d_hidden_pad + (k - quad * 8);
-    const float nan = __int_as_float(0x7FC00000);
+    if (kFp8) {
+        // The quad's even values are k 4q..4q+3 of fp8_act_position, its odd
+        // ones k 16+4q..: one 4-byte store each.
+        uint32_t even = 0, odd = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        *reinterpret_cast<__nv_bfloat162*>(dst + act_position(8 * quad + i)) =
-            has_nan ? __floats2bfloat162_rn(nan, nan) : __floats2bfloat162_rn(qa_value(v[i], e), qa_value(v[i + 4], e));
+        for (int j = 0; j < 4; ++j) {
+            even |= (has_nan ? kE4m3Nan : e2m1_to_e4m3(qa_code(v[2 * j], e))) << (8 * j);
+            odd |= (has_nan ? kE4m3Nan : e2m1_to_e4m3(qa_code(v[2 * j + 1], e))) << (8 * j);
+        }
+        uint8_t* block = act + (size_t)token * d_hidden_pad + (k - quad * 8);
+        *reinterpret_cast<uint32_t*>(block + 4 * quad) = even;
+        *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = odd;
+        if (quad == 0) act_scale[(size_t)token * (d_hidden_pad / kScaleBlock) + k / kScaleBlock] = exact_pow2(e);
+    } else {
+        // Values 8q+i and 8q+i+4 of the block (q = quad) are neighbours in
+        // act_position order, at 8i + 2q: one 4-byte store per pair.
+        __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(act) + (size_t)token * d_hidden_pad + (k - quad * 8);
+        const float nan = __int_as_float(0x7FC00000);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<__nv_bfloat162*>(dst + act_position(8 * quad + i)) =
+                has_nan ? __floats2bfloat162_rn(nan, nan)
+                        : __floats2bfloat162_rn(qa_value(v[i], e), qa_value(v[i + 4], e));
+    }
     float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
     zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -899,16 +1127,16 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
 // accumulators hold a gate value and its up value. With one slice the CTA
 // finishes the columns (SwiGLU, Qa into inter); with several it stores its
 // fp32 (gate, up) pairs to partial[z][row][col] for swiglu_quantize_kernel.
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
-__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThreads,
-                                  GemmShape<NT, MT, WT, SB, STAGES, WG>::kStage1MinBlocks) stage1_kernel(
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
+__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
+                                  GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage1MinBlocks) stage1_kernel(
         const uint8_t* __restrict__ gate_up_weight, const uint8_t* __restrict__ gate_up_scale,
-        const __nv_bfloat16* __restrict__ act,
+        const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
         const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int top_k, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
-        __nv_bfloat16* __restrict__ inter, float2* __restrict__ partial, int num_pairs) {
-    using S = GemmShape<NT, MT, WT, SB, STAGES, WG>;
+        uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs) {
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
@@ -925,8 +1153,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThread
     auto token_of = [&](int i) { return i < tile.rows ? sorted_pairs[tile.row_start + i] / top_k : -1; };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock, token_of,
-                     d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
+    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
+                     act_scale + first_block, token_of, d_hidden_pad, k_blocks, 1, 0,
+                     [](float (&)[MT][WT][4], int) {});
 
     // Accumulators 0, 1: row g (gate), tokens 2t, 2t+1; 2, 3: row g+8 (up).
     const int g = lane >> 2, t = lane & 3;
@@ -963,9 +1192,10 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThread
     __syncthreads();
     for (int item = warp; item < tile.rows * 2; item += S::kWarps) {
         const int token = item >> 1, block = item & 1;
-        const size_t row = tile.row_start + token;
-        quantize_block_warp(h[token * kStage1HStride + block * 32 + lane], lane,
-                            inter + row * d_expert_pad + col0 + block * 32);
+        const size_t row = tile.row_start + token, col = col0 + block * kScaleBlock;
+        quantize_block_warp<FP8>(h[token * kStage1HStride + block * 32 + lane], lane,
+                                 inter + (row * d_expert_pad + col) * S::kActValueBytes,
+                                 inter_scale + row * (d_expert_pad / kScaleBlock) + col / kScaleBlock);
     }
 }
 
@@ -973,9 +1203,10 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThread
 // slices' (gate, up) pairs of one 32-column block in slice order (so the
 // result does not depend on timing), then SwiGLU and Qa as above.
 constexpr int kSwigluWarps = 8;
+template <bool kFp8>
 __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
         const float2* __restrict__ partial, int splits, int num_pairs, const int* __restrict__ expert_offsets,
-        int n_experts, int d_expert, int d_expert_pad, __nv_bfloat16* __restrict__ inter) {
+        int n_experts, int d_expert, int d_expert_pad, uint8_t* __restrict__ inter, float* __restrict__ inter_scale) {
     const int row = blockIdx.x, lane = threadIdx.x & 31;
     const int col = (blockIdx.y * kSwigluWarps + (threadIdx.x >> 5)) * kScaleBlock + lane;
     if (row >= expert_offsets[n_experts] || col - lane >= d_expert) return;   // warp-uniform
@@ -985,8 +1216,9 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
         sum.x += v.x;
         sum.y += v.y;
     }
-    quantize_block_warp(col < d_expert ? swiglu_bf16(sum.x, sum.y) : 0.0f, lane,
-                        inter + (size_t)row * d_expert_pad + col - lane);
+    const size_t block_start = (size_t)row * d_expert_pad + col - lane;
+    quantize_block_warp<kFp8>(col < d_expert ? swiglu_bf16(sum.x, sum.y) : 0.0f, lane,
+                              inter + block_start * (kFp8 ? 1 : 2), inter_scale + block_start / kScaleBlock);
 }
 
 }  // namespace moe
@@ -1013,15 +1245,16 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
 // each row's routing weight and added into the fp32 accumulator. Rows are
 // transposed through shared memory so that each add covers four consecutive
 // columns of one token.
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
-__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThreads,
-                                  GemmShape<NT, MT, WT, SB, STAGES, WG>::kStage2MinBlocks) stage2_kernel(
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
+__global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
+                                  GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage2MinBlocks) stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
-        const __nv_bfloat16* __restrict__ inter, const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
+        const uint8_t* __restrict__ inter, const float* __restrict__ inter_scale,
+        const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         const float* __restrict__ topk_weights, int top_k,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator) {
-    using S = GemmShape<NT, MT, WT, SB, STAGES, WG>;
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
@@ -1063,7 +1296,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG>::kThread
     };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, inter, row_of, d_expert_pad, k_blocks,
+    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, d_expert_pad, k_blocks,
                      cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
 }
@@ -1098,15 +1331,23 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 
 // Explicit instantiations, so that a plain nvcc compile of this source (the
 // CI build check) produces and reports every kernel.
-#define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG)                                                    \
-    template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG>(const uint8_t*, const uint8_t*, \
-        const __nv_bfloat16*, const int*, const int*, const int2*, const int*, int, int, int, int,     \
-        int, int, __nv_bfloat16*, float2*, int);                                                       \
-    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG>(const uint8_t*, const uint8_t*, \
-        const __nv_bfloat16*, const int*, const int*, const int2*, const int*, const float*, int,      \
+#define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8)                                                    \
+    template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
+        const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
+        int, int, uint8_t*, float*, float2*, int);                                                       \
+    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
+        const uint8_t*, const float*, const int*, const int*, const int2*, const int*, const float*, int, \
         int, int, int, int, int, float*);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
+#define MOE_INSTANTIATE_QA(FP8)                                                                            \
+    template __global__ void quantize_hidden_kernel<FP8>(const __nv_bfloat16*, int, int, uint8_t*, float*, \
+                                                         float*);                                          \
+    template __global__ void swiglu_quantize_kernel<FP8>(const float2*, int, int, const int*, int, int, int, \
+                                                         uint8_t*, float*);
+MOE_INSTANTIATE_QA(false)
+MOE_INSTANTIATE_QA(true)
+#undef MOE_INSTANTIATE_QA
 
 }  // namespace moe
 """
@@ -1169,6 +1410,16 @@ int ctas_per_sm(Kernel kernel, int threads, int smem) {
 __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
     return reinterpret_cast<__nv_bfloat16*>(t.data_ptr<at::BFloat16>());
 }
+// Activations in the GEMMs' format (bf16 values, or FP8: E4M3 codes with
+// fp32 block scales in `scale`, undefined for bf16) as raw bytes.
+struct Activations {
+    torch::Tensor values, scale;
+    Activations(int rows, int k_padded, bool fp8, const torch::TensorOptions& options)
+        : values(torch::empty({rows, k_padded * (fp8 ? 1 : 2)}, options.dtype(torch::kUInt8))),
+          scale(fp8 ? torch::empty({rows, k_padded / kScaleBlock}, options.dtype(torch::kFloat32)) : torch::Tensor()) {}
+    uint8_t* bytes() const { return values.data_ptr<uint8_t>(); }
+    float* scales() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
+};
 
 // The GEMM tiles a call will have, estimated as pairs / tile_tokens plus
 // half the active experts: the host does not know the routing, and must not
@@ -1221,19 +1472,19 @@ int stage2_row_tiles(Kernel kernel, int epilogue_bytes, int num_pairs, int n_exp
     return 1;
 }
 
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG>
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_experts, int requested_splits,
                   int requested_row_tiles,
                   const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
-                  const torch::Tensor& down_weight, const torch::Tensor& down_scale, const torch::Tensor& act,
+                  const torch::Tensor& down_weight, const torch::Tensor& down_scale, const Activations& act,
                   const int* sorted_pairs, const int* expert_offsets, const int2* tiles, const int* num_tiles,
                   const torch::Tensor& topk_weights, int top_k, int d_hidden, int d_hidden_pad, int d_expert,
-                  int d_expert_pad, torch::Tensor& inter, torch::Tensor& accumulator) {
-    using S = GemmShape<NT, MT, WT, SB, STAGES, WG>;
+                  int d_expert_pad, const Activations& inter, torch::Tensor& accumulator) {
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
-    const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG>;
-    const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG>;
+    const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
+    const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
     const int epilogue1 = S::kTokens * kStage1HStride * (int)sizeof(float);
     const int epilogue2 = S::kTokens * kStage2YStride * (int)sizeof(float);
     const int all_stages = S::kStageBlocks * S::kStages;
@@ -1253,14 +1504,15 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     const int smem1 = S::shared_bytes(std::min(split_blocks, k_blocks1), epilogue1);
     stage1<<<dim3(max_tiles, columns1, splits), S::kThreads, smem1, stream>>>(
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
-        bf16_ptr(act), sorted_pairs, expert_offsets, tiles, num_tiles,
-        top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, bf16_ptr(inter), partial_ptr,
-        num_pairs);
+        act.bytes(), act.scales(), sorted_pairs, expert_offsets, tiles, num_tiles,
+        top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
+        partial_ptr, num_pairs);
     MOE_CUDA_CHECK(cudaGetLastError());
     if (splits > 1) {
-        swiglu_quantize_kernel<<<dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)), kSwigluWarps * 32,
-                                 0, stream>>>(partial_ptr, splits, num_pairs, expert_offsets, n_experts, d_expert,
-                                              d_expert_pad, bf16_ptr(inter));
+        swiglu_quantize_kernel<FP8><<<dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
+                                      kSwigluWarps * 32, 0, stream>>>(
+            partial_ptr, splits, num_pairs, expert_offsets, n_experts, d_expert, d_expert_pad, inter.bytes(),
+            inter.scales());
         MOE_CUDA_CHECK(cudaGetLastError());
     }
 
@@ -1271,7 +1523,7 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     const int smem2 = S::shared_bytes(k_blocks2, epilogue2, row_tiles);
     stage2<<<grid2, S::kThreads, smem2, stream>>>(
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
-        bf16_ptr(inter), sorted_pairs, expert_offsets, tiles, num_tiles,
+        inter.bytes(), inter.scales(), sorted_pairs, expert_offsets, tiles, num_tiles,
         topk_weights.data_ptr<float>(), top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
         accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
@@ -1289,18 +1541,18 @@ torch::Tensor moe_forward(
         torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
-        int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, int64_t stage1_splits,
-        int64_t stage2_row_tiles) {
+        int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
+        int64_t stage1_splits, int64_t stage2_row_tiles) {
     using namespace moe;
-#define MOE_IS(NT, MT, WT, SB, STAGES, WG) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
-    warp_tokens == 8 * WT && stage_blocks == SB && stages == STAGES && wgmma == WG)
+#define MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
+    warp_tokens == 8 * WT && stage_blocks == SB && stages == STAGES && wgmma == WG && fp8 == FP8)
     bool known = false;
-#define MOE_KNOWN(NT, MT, WT, SB, STAGES, WG) known |= MOE_IS(NT, MT, WT, SB, STAGES, WG);
+#define MOE_KNOWN(NT, MT, WT, SB, STAGES, WG, FP8) known |= MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8);
     MOE_GEMM_CONFIGS(MOE_KNOWN)
 #undef MOE_KNOWN
     TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens, ", warp_rows=", warp_rows,
                 ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages,
-                ", wgmma=", wgmma);
+                ", wgmma=", wgmma, ", fp8=", fp8);
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -1320,8 +1572,8 @@ torch::Tensor moe_forward(
     int* expert_offsets = num_tiles + 1;
     int* sorted_pairs = expert_offsets + n_experts + 1;
     int* bad_ids = sorted_pairs + num_pairs;
-    auto act = torch::empty({m, d_hidden_pad}, hidden_states.options());
-    auto inter = torch::empty({num_pairs, d_expert_pad}, hidden_states.options());
+    const Activations act(m, d_hidden_pad, fp8, hidden_states.options());
+    const Activations inter(num_pairs, d_expert_pad, fp8, hidden_states.options());
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
@@ -1331,15 +1583,14 @@ torch::Tensor moe_forward(
         topk_ids.data_ptr<int>(), num_pairs, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_pairs, bad_ids);
     MOE_CUDA_CHECK(cudaGetLastError());
-    quantize_hidden_kernel<<<dim3(m, (d_hidden_pad + kQuantizeColumns - 1) / kQuantizeColumns), kQuantizeThreads, 0,
-                             stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(hidden_states.data_ptr<at::BFloat16>()), (int)d_hidden,
-        d_hidden_pad, bf16_ptr(act), accumulator.data_ptr<float>());
+    const dim3 quantize_grid(m, (d_hidden_pad + kQuantizeColumns - 1) / kQuantizeColumns);
+    (fp8 ? quantize_hidden_kernel<true> : quantize_hidden_kernel<false>)<<<quantize_grid, kQuantizeThreads, 0, stream>>>(
+        bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
-#define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG)                                                                \
-    if (MOE_IS(NT, MT, WT, SB, STAGES, WG))                                                                   \
-        launch_gemms<NT, MT, WT, SB, STAGES, WG>(stream, max_tiles, num_pairs, n_experts, (int)stage1_splits, \
+#define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG, FP8)                                                                \
+    if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8))                                                                   \
+        launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8>(stream, max_tiles, num_pairs, n_experts, (int)stage1_splits, \
             (int)stage2_row_tiles,                                                                            \
             gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_pairs, expert_offsets, tiles, \
             num_tiles, topk_weights, top_k, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,  \
@@ -1361,8 +1612,8 @@ torch::Tensor moe_forward(
     torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
-    int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, int64_t stage1_splits,
-    int64_t stage2_row_tiles);
+    int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
+    int64_t stage1_splits, int64_t stage2_row_tiles);
 """
 
 # ===========================================================================
@@ -1466,15 +1717,17 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     (BENCHMARKS.md); wgmma: the GPU has Hopper's warpgroup MMAs (sm_90).
     Tiles hold one expert's tokens, so few tokens per expert want 8- or
     16-token tiles: re-reading an expert's weights per tile mostly hits L2,
-    while wide tiles waste MMA work. From about 32 tokens per expert on,
+    while wide tiles waste MMA work. On sm_90 those take e4m3 warpgroup
+    MMAs, whose fp4 -> e4m3 conversion costs under half the integer work of
+    fp4 -> bf16 (2-7% faster per call). From about 32 tokens per expert on,
     64-token tiles win: each warp then converts its weights once for all 64
     tokens, and on sm_90 warpgroup MMAs read the tokens from shared memory
     without ldmatrix."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
-        return KernelConfig(8, 16, 8, 8, 4, False)
+        return KernelConfig(8, 16, 8, 8, 4, wgmma, wgmma)
     if tokens_per_expert <= 20:
-        return KernelConfig(16, 16, 16, 8, 3, False)
+        return KernelConfig(16, 16, 16, 8, 3, wgmma, wgmma)
     if wgmma:
         return KernelConfig(64, 16, 64, 4, 4, True)
     return KernelConfig(64, 16, 64, 4, 4, False) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4, False)

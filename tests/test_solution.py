@@ -95,10 +95,10 @@ def test_wrong_tuple_is_refused():
 
 
 @pytest.mark.parametrize("m, top_k, experts, d_expert, expected", [   # the measured best on the H200 (BENCHMARKS.md)
-    (16, 9, 257, 256, (8, 16, 8, 8, 4, False)), (128, 9, 257, 256, (8, 16, 8, 8, 4, False)),
-    (512, 9, 257, 256, (16, 16, 16, 8, 3, False)), (16, 9, 33, 512, (8, 16, 8, 8, 4, False)),
-    (128, 9, 33, 512, (64, 16, 64, 4, 4, True)), (512, 9, 33, 512, (64, 16, 64, 4, 4, True)),
-    (512, 9, 33, 2048, (64, 16, 64, 4, 4, True))])
+    (16, 9, 257, 256, (8, 16, 8, 8, 4, True, True)), (128, 9, 257, 256, (8, 16, 8, 8, 4, True, True)),
+    (512, 9, 257, 256, (16, 16, 16, 8, 3, True, True)), (16, 9, 33, 512, (8, 16, 8, 8, 4, True, True)),
+    (128, 9, 33, 512, (64, 16, 64, 4, 4, True, False)), (512, 9, 33, 512, (64, 16, 64, 4, 4, True, False)),
+    (512, 9, 33, 2048, (64, 16, 64, 4, 4, True, False))])
 def test_config_chooser_picks_the_measured_best(m, top_k, experts, d_expert, expected):
     config = solution.choose_config(m, top_k, experts, d_expert, wgmma=True)
     assert tuple(config) == expected and config in solution.GEMM_CONFIGS
@@ -107,7 +107,7 @@ def test_config_chooser_picks_the_measured_best(m, top_k, experts, d_expert, exp
 @pytest.mark.parametrize("m, experts, d_expert", [(16, 257, 256), (512, 33, 512), (512, 33, 2048), (4096, 8, 1024)])
 def test_config_chooser_needs_sm90_for_warpgroup_mmas(m, experts, d_expert):
     config = solution.choose_config(m, 9, experts, d_expert, wgmma=False)
-    assert not config.wgmma and config in solution.GEMM_CONFIGS
+    assert not config.wgmma and not config.fp8 and config in solution.GEMM_CONFIGS
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -123,8 +123,9 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     print(report)
     assert result.returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # route, quantise, SwiGLU+Qa of split stage 1, convert, and stage 1 and stage 2 for each GEMM config
-    assert len(kernels) == 4 + 2 * len(solution.GEMM_CONFIGS), kernels
+    # route, convert, quantise and SwiGLU+Qa of split stage 1 for both activation formats, and stage 1
+    # and stage 2 for each GEMM config
+    assert len(kernels) == 6 + 2 * len(solution.GEMM_CONFIGS), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
 
@@ -209,6 +210,20 @@ def test_every_gemm_config(shape, config, splits):
                                                     stage2_row_tiles=splits))
 
 
+def with_row_scales(data, index, low, high, share, gen):
+    """data with a share of the weight rows of scale tensor `index` given one
+    scale byte in [low, high) for all their blocks. Whole rows: a row whose
+    blocks differ by 2^14 and more can cancel its large terms exactly, and
+    what the float64 reference then keeps of its other terms, any fp32
+    accumulation (ours, or a bf16 tensor core's) has already rounded away."""
+    scales = data[index].view(torch.uint8).cpu().clone()
+    rows = scales.reshape(-1, scales.shape[-1])
+    pick = torch.rand(rows.shape[0], generator=gen) < share
+    values = torch.randint(low, high, (rows.shape[0], 1), generator=gen, dtype=torch.uint8)
+    rows[pick] = values[pick].expand(-1, rows.shape[1])
+    return with_replaced(data, index, scales.to(data[index].device).view(data[index].dtype))
+
+
 @needs_cuda
 def test_weight_scales_above_128_and_near_zero():
     """Scale bytes above 128 take the two-multiplier path; bytes near 0 give
@@ -216,11 +231,27 @@ def test_weight_scales_above_128_and_near_zero():
     data = reference.generate_input(1024, 512, 16, 4, 1, 64, 23)
     gen = torch.Generator(device="cpu").manual_seed(24)
     for index, low, high in ((3, 129, 141), (4, 0, 4)):
-        scales = data[index].view(torch.uint8).cpu().clone()
-        pick = torch.rand(scales.shape, generator=gen) < 0.2
-        scales[pick] = torch.randint(low, high, scales.shape, generator=gen, dtype=torch.uint8)[pick]
-        data = with_replaced(data, index, scales.to(data[index].device).view(data[index].dtype))
+        data = with_row_scales(data, index, low, high, 0.2, gen)
     run_checked(data)
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", [c for c in solution.GEMM_CONFIGS if c.fp8],
+                         ids=lambda c: str(c).replace("/", "-"))
+@pytest.mark.parametrize("changes", [((3, 0, 4), (3, 129, 141), (4, 0, 4)), ((4, 243, 244),)],
+                         ids=["near0-above128", "above242"])
+def test_fp8_configs_stay_exact_over_every_weight_scale_range(config, changes):
+    """The FP8 path scales each block's sum in one fma while every weight
+    scale byte of a stage is at most 242, and by an exponent split above:
+    bytes near 0 (subnormal factors), above 128, and above 242 (the split;
+    on the down weights only, so that the output stays finite)."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 26)
+    gen = torch.Generator(device="cpu").manual_seed(27)
+    for index, low, high in changes:
+        data = with_row_scales(data, index, low, high, 0.2, gen)
+    module = solution._backend(torch.device("cuda"))[1]
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
+    assert torch.isfinite(out).all()
 
 
 @needs_cuda
@@ -428,6 +459,11 @@ int main() {
         else if (!strcmp(kind, "byte3")) out = moe::weight_multiplier_of_byte(x, 3);
         else if (!strcmp(kind, "above128")) out = moe::any_scale_above_128(x);
         else if (!strcmp(kind, "position")) out = moe::act_position((int)x);
+        else if (!strcmp(kind, "e4m3")) out = moe::e2m1_to_e4m3(x);
+        else if (!strcmp(kind, "even")) out = moe::fp4_even_to_e4m3(x);
+        else if (!strcmp(kind, "odd")) out = moe::fp4_odd_to_e4m3(x);
+        else if (!strcmp(kind, "fp8position")) out = moe::fp8_act_position((int)x);
+        else if (!strcmp(kind, "above242")) out = moe::any_scale_above(x, moe::kFp8NarrowScale);
         else if (!strcmp(kind, "qa")) out = moe::float_to_bits(moe::exact_pow2(moe::qa_exponent(f)));
         printf("%08x\n", out);
     }
@@ -545,6 +581,59 @@ def test_weight_pairs_and_activation_layout_agree(helpers):
                         k = 16 * s + 8 * half + 2 * t + lane
                         mma += pairs[2 * s + half][lane] * 2.0 ** 126 * stored[k]
         assert mma == sum(w * a for w, a in zip(weight, act))
+
+
+def e4m3_values(word):
+    """The four E4M3 bytes of a 32-bit word (byte 0 first), as floats."""
+    return torch.tensor(list(word.to_bytes(4, "little")), dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+
+
+def test_e2m1_codes_are_e4m3_values_times_2_pow_minus_6(helpers):
+    codes = list(range(16))
+    values = reference.e2m1_decode(torch.tensor(codes)).tolist()
+    got = [e4m3_values(b)[0] for b in helpers("e4m3", codes)]
+    assert got == [v * 2.0 ** -6 for v in values]
+    assert math.copysign(1.0, got[8]) == -1.0   # -0 keeps its sign
+
+
+def test_fp4_words_are_e4m3_even_and_odd_values(helpers):
+    words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98] + random.Random(7).choices(range(1 << 32), k=300)
+    for word, even, odd in zip(words, helpers("even", words), helpers("odd", words)):
+        codes = [(word >> (4 * i)) & 0xF for i in range(8)]
+        values = [v * 2.0 ** -6 for v in reference.e2m1_decode(torch.tensor(codes)).tolist()]
+        assert e4m3_values(even) == values[0::2] and e4m3_values(odd) == values[1::2], hex(word)
+
+
+def test_fp8_weight_bytes_and_activation_layout_agree(helpers):
+    """Emulates one warpgroup k32 MMA row over a scale block as the FP8 main
+    loop builds it: thread t of a quad gives word t's even values for k
+    4t..4t+3 and its odd values for k 16+4t..; the activations sit at
+    fp8_act_position. The dot product must equal the plain one."""
+    position = helpers("fp8position", range(32))
+    assert sorted(position) == list(range(32))
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(20):
+        row = torch.randint(0, 256, (16,), generator=gen).tolist()
+        act = torch.randint(-8, 9, (32,), generator=gen).double().tolist()
+        codes = [(row[p // 2] >> (4 * (p % 2))) & 0xF for p in range(32)]
+        weight = reference.e2m1_decode(torch.tensor(codes)).double().tolist()
+        stored = [0.0] * 32
+        for p in range(32):
+            stored[position[p]] = act[p]
+        mma = 0.0
+        for t in range(4):
+            word = int.from_bytes(bytes(row[4 * t:4 * t + 4]), "little")
+            even, odd = e4m3_values(helpers("even", [word])[0]), e4m3_values(helpers("odd", [word])[0])
+            for j in range(4):
+                mma += even[j] * 2.0 ** 6 * stored[4 * t + j] + odd[j] * 2.0 ** 6 * stored[16 + 4 * t + j]
+        assert mma == sum(w * a for w, a in zip(weight, act))
+
+
+def test_scales_above_the_fp8_narrow_limit_are_detected(helpers):
+    rng = random.Random(9)
+    words = [sum(rng.choice([0, 128, 241, 242, 243, 250, 255]) << (8 * i) for i in range(4)) for _ in range(500)]
+    expected = [int(any((w >> (8 * i)) & 0xFF > 242 for i in range(4))) for w in words]
+    assert helpers("above242", words) == expected
 
 
 def test_qa_exponent_matches_the_reference(helpers):
