@@ -554,6 +554,21 @@ def test_scales_above_128_are_detected(helpers):
     assert helpers("above128", words) == expected
 
 
+def random_blocks(position, seed, count=20):
+    """(16 fp4x2 weight bytes, activations stored at position, exact dot
+    product) for random scale blocks: what a layout test's MMA must give."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        row = torch.randint(0, 256, (16,), generator=gen).tolist()
+        act = torch.randint(-8, 9, (32,), generator=gen).double().tolist()
+        codes = [(row[p // 2] >> (4 * (p % 2))) & 0xF for p in range(32)]
+        weight = reference.e2m1_decode(torch.tensor(codes)).double().tolist()
+        stored = [0.0] * 32
+        for p in range(32):
+            stored[position[p]] = act[p]
+        yield row, stored, sum(w * a for w, a in zip(weight, act))
+
+
 def test_weight_pairs_and_activation_layout_agree(helpers):
     """Emulates one warp's two k16 MMA steps over a scale block the way the
     GEMM main loop builds them: thread t's weight word t gives its A pairs,
@@ -562,15 +577,7 @@ def test_weight_pairs_and_activation_layout_agree(helpers):
     must equal the plain one over the block."""
     position = helpers("position", range(32))
     assert sorted(position) == list(range(32))
-    gen = torch.Generator().manual_seed(6)
-    for _ in range(20):
-        row = torch.randint(0, 256, (16,), generator=gen).tolist()
-        act = torch.randint(-8, 9, (32,), generator=gen).double().tolist()
-        codes = [(row[p // 2] >> (4 * (p % 2))) & 0xF for p in range(32)]
-        weight = reference.e2m1_decode(torch.tensor(codes)).double().tolist()
-        stored = [0.0] * 32
-        for p in range(32):
-            stored[position[p]] = act[p]
+    for row, stored, expected in random_blocks(position, seed=6):
         mma = 0.0
         for t in range(4):
             word = int.from_bytes(bytes(row[4 * t:4 * t + 4]), "little")
@@ -580,7 +587,7 @@ def test_weight_pairs_and_activation_layout_agree(helpers):
                     for lane in range(2):
                         k = 16 * s + 8 * half + 2 * t + lane
                         mma += pairs[2 * s + half][lane] * 2.0 ** 126 * stored[k]
-        assert mma == sum(w * a for w, a in zip(weight, act))
+        assert mma == expected
 
 
 def e4m3_values(word):
@@ -611,22 +618,14 @@ def test_fp8_weight_bytes_and_activation_layout_agree(helpers):
     fp8_act_position. The dot product must equal the plain one."""
     position = helpers("fp8position", range(32))
     assert sorted(position) == list(range(32))
-    gen = torch.Generator().manual_seed(8)
-    for _ in range(20):
-        row = torch.randint(0, 256, (16,), generator=gen).tolist()
-        act = torch.randint(-8, 9, (32,), generator=gen).double().tolist()
-        codes = [(row[p // 2] >> (4 * (p % 2))) & 0xF for p in range(32)]
-        weight = reference.e2m1_decode(torch.tensor(codes)).double().tolist()
-        stored = [0.0] * 32
-        for p in range(32):
-            stored[position[p]] = act[p]
+    for row, stored, expected in random_blocks(position, seed=8):
         mma = 0.0
         for t in range(4):
             word = int.from_bytes(bytes(row[4 * t:4 * t + 4]), "little")
             even, odd = e4m3_values(helpers("even", [word])[0]), e4m3_values(helpers("odd", [word])[0])
             for j in range(4):
                 mma += even[j] * 2.0 ** 6 * stored[4 * t + j] + odd[j] * 2.0 ** 6 * stored[16 + 4 * t + j]
-        assert mma == sum(w * a for w, a in zip(weight, act))
+        assert mma == expected
 
 
 def test_scales_above_the_fp8_narrow_limit_are_detected(helpers):
