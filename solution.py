@@ -155,14 +155,11 @@ MOE_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
 MOE_HD uint32_t weight_multiplier_of_byte(uint32_t four_scales, int k) {
     return byte_perm(four_scales + 0x7E7E7E7Eu, 0u, 0x4040u | (uint32_t)k * 0x101u) << 7;
 }
-// True if any of four packed scale bytes is above limit.
+// True if any of four packed scale bytes is above limit (128: the bf16 path
+// needs the second factor; kFp8NarrowScale: the FP8 path's exponent split).
 MOE_HD bool any_scale_above(uint32_t four_scales, uint32_t limit) {
     return (four_scales & 0xFFu) > limit || (four_scales >> 8 & 0xFFu) > limit
         || (four_scales >> 16 & 0xFFu) > limit || four_scales >> 24 > limit;
-}
-// True if any of four packed scale bytes is above 128 (needs the second factor).
-MOE_HD bool any_scale_above_128(uint32_t four_scales) {
-    return (four_scales & 0x80808080u & ((four_scales & 0x7F7F7F7Fu) + 0x7F7F7F7Fu)) != 0u;
 }
 
 // Activations are stored as bf16 (Qa's values, exact), each 32-value block
@@ -999,7 +996,7 @@ __device__ __forceinline__ void gemm_mainloop(
             {
                 const uint32_t four_scales = *reinterpret_cast<const uint32_t*>(
                     stage_base(s % kStages) + S::kScaleOffset + tid * SB + 4 * i);
-                wide |= S::kFp8 ? any_scale_above(four_scales, kFp8NarrowScale) : any_scale_above_128(four_scales);
+                wide |= any_scale_above(four_scales, S::kFp8 ? kFp8NarrowScale : 128u);
             }
         wide = __syncthreads_or(wide);
         load_stage_fragments(s % kStages);

@@ -457,7 +457,7 @@ int main() {
         else if (!strcmp(kind, "byte1")) out = moe::weight_multiplier_of_byte(x, 1);
         else if (!strcmp(kind, "byte2")) out = moe::weight_multiplier_of_byte(x, 2);
         else if (!strcmp(kind, "byte3")) out = moe::weight_multiplier_of_byte(x, 3);
-        else if (!strcmp(kind, "above128")) out = moe::any_scale_above_128(x);
+        else if (!strcmp(kind, "above128")) out = moe::any_scale_above(x, 128);
         else if (!strcmp(kind, "position")) out = moe::act_position((int)x);
         else if (!strcmp(kind, "e4m3")) out = moe::e2m1_to_e4m3(x);
         else if (!strcmp(kind, "even")) out = moe::fp4_even_to_e4m3(x);
