@@ -267,15 +267,18 @@ ROUTING_SOURCE = r"""
 namespace moe {
 
 // One CTA of 1024 threads. Counts the (token, slot) pairs of each expert,
-// writes expert_offsets[E+1], the pairs sorted by expert, and the tile table
-// (expert, first sorted row) of tiles of tile_tokens rows that both GEMM
-// stages walk. Ids outside [0, E) are counted in bad_ids and skipped, so no
-// kernel ever indexes out of bounds. Order within an expert is not fixed:
-// every row of a GEMM tile is computed independently of the others.
+// writes expert_offsets[E+1], the pairs sorted by expert (as each pair's
+// token and routing weight, so that a GEMM reads either with one load), and
+// the tile table (expert, first sorted row) of tiles of tile_tokens rows
+// that both GEMM stages walk. Ids outside [0, E) are counted in bad_ids and
+// skipped, so no kernel ever indexes out of bounds. Order within an expert
+// is not fixed: every row of a GEMM tile is computed independently of the
+// others.
 __global__ void __launch_bounds__(1024) route_kernel(
-        const int* __restrict__ topk_ids, int num_pairs, int n_experts, int tile_tokens,
-        int* __restrict__ expert_offsets, int2* __restrict__ tiles, int* __restrict__ num_tiles,
-        int* __restrict__ sorted_pairs, int* __restrict__ bad_ids) {
+        const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
+        int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
+        int* __restrict__ num_tiles, int* __restrict__ sorted_tokens, float* __restrict__ sorted_weights,
+        int* __restrict__ bad_ids) {
     extern __shared__ int shared[];
     int* counts = shared;                   // [E]
     int* cursor = shared + n_experts;       // [E]
@@ -336,7 +339,11 @@ __global__ void __launch_bounds__(1024) route_kernel(
     __syncthreads();
     for (int p = tid; p < num_pairs; p += blockDim.x) {
         const int e = topk_ids[p];
-        if ((unsigned)e < (unsigned)n_experts) sorted_pairs[atomicAdd(&cursor[e], 1)] = p;
+        if ((unsigned)e < (unsigned)n_experts) {
+            const int row = atomicAdd(&cursor[e], 1);
+            sorted_tokens[row] = p / top_k;
+            sorted_weights[row] = topk_weights[p];
+        }
     }
 }
 
@@ -612,25 +619,25 @@ struct GemmShape {
     // write fresh per-block sums, not the accumulators.)
     static constexpr bool kRowTiles = !WG || FP8;
     // Pipeline slots of a CTA that streams row_tiles row tiles over k_blocks
-    // scale blocks each: as many stages as that, up to kStages (so that
-    // short-K CTAs fit more per SM).
-    static __host__ __device__ int pipeline_slots(int k_blocks, int row_tiles) {
-        const int stages = (k_blocks + SB - 1) / SB * row_tiles;
-        return stages < kStages ? stages : kStages;
+    // scale blocks each through a ring of `ring` slots (gemm_mainloop's
+    // kRing): as many stages as that, up to the ring (so that short-K CTAs
+    // fit more per SM).
+    static __host__ __device__ constexpr int pipeline_slots(int k_blocks, int row_tiles, int ring) {
+        return (k_blocks + SB - 1) / SB * row_tiles < ring ? (k_blocks + SB - 1) / SB * row_tiles : ring;
     }
     // Shared memory of such a launch whose epilogue stages epilogue_bytes:
     // with one row tile the epilogue reuses the pipeline's memory; with more
     // it runs while the next tile's stages load, so it gets its own, after
     // the pipeline (see epilogue_buffer).
-    static int shared_bytes(int k_blocks, int epilogue_bytes, int row_tiles = 1) {
-        const int pipeline = kStageBytes * pipeline_slots(k_blocks, row_tiles) + kAlignmentSlack;
+    static int shared_bytes(int k_blocks, int epilogue_bytes, int row_tiles, int ring) {
+        const int pipeline = kStageBytes * pipeline_slots(k_blocks, row_tiles, ring) + kAlignmentSlack;
         return row_tiles > 1 ? pipeline + epilogue_bytes : (pipeline > epilogue_bytes ? pipeline : epilogue_bytes);
     }
     static __device__ __forceinline__ uint8_t* aligned_base(uint8_t* smem) {
         return smem + ((kStageAlignment - (smem_addr(smem) & (kStageAlignment - 1))) & (kStageAlignment - 1));
     }
-    static __device__ __forceinline__ uint8_t* epilogue_buffer(uint8_t* smem, int k_blocks, int row_tiles) {
-        return row_tiles > 1 ? aligned_base(smem) + kStageBytes * pipeline_slots(k_blocks, row_tiles) : smem;
+    static __device__ __forceinline__ uint8_t* epilogue_buffer(uint8_t* smem, int k_blocks, int row_tiles, int ring) {
+        return row_tiles > 1 ? aligned_base(smem) + kStageBytes * pipeline_slots(k_blocks, row_tiles, ring) : smem;
     }
 };
 
@@ -653,14 +660,14 @@ struct GemmShape {
 // wait for their only stages with nothing in flight). After each tile but
 // the last, tile_done(acc, i) takes the accumulators, which then restart at
 // zero; the last tile's are left in acc. mma.sync configs only (kRowTiles).
-template <typename S, typename WeightRowOf, typename ActRowOf, typename TileDone>
+template <typename S, int kRing, typename WeightRowOf, typename ActRowOf, typename TileDone>
 __device__ __forceinline__ void gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
         int k_padded, int k_blocks,
         int row_tiles, int row_tile_step, TileDone tile_done) {
-    constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks, kStages = S::kStages;
+    constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int first_row = S::first_row(warp), first_tile = S::first_token(warp) / 8;
@@ -679,11 +686,13 @@ __device__ __forceinline__ void gemm_mainloop(
     // its activation chunks (S::act_copy_token, S::act_copy_chunk). Sources
     // are kept as row starts and offset by the stage's first byte; a stage
     // costs one address add per copy and no validity test but in the tail.
-    const uint8_t* weight_src[S::kWeightChunks];
-#pragma unroll
-    for (int j = 0; j < S::kWeightChunks; ++j)
-        weight_src[j] = weight + (size_t)weight_row_of(tid / SB + j * (S::kThreads / SB)) * (k_padded / 2)
-                      + (tid % SB) * 16;
+    // Both stages' weight_row_of advance by a constant every kThreads/SB
+    // local rows (a multiple of 16), so the weight rows are one pointer and
+    // one stride, not a register pair each.
+    static_assert(S::kThreads / SB % 16 == 0, "weight copy rows");
+    const uint8_t* weight_src = weight + (size_t)weight_row_of(tid / SB) * (k_padded / 2) + (tid % SB) * 16;
+    const int weight_src_stride = (weight_row_of(tid / SB + S::kThreads / SB) - weight_row_of(tid / SB))
+                                * (k_padded / 2);
     const uint8_t* scale_src = weight_scale + (size_t)weight_row_of(tid % kRows) * scale_len;
     // Activation rows past the tile's end read nothing (zero-fill) from row 0.
     const uint8_t* act_src[S::kActChunks];
@@ -724,16 +733,16 @@ __device__ __forceinline__ void gemm_mainloop(
     // and each copy tests its own (copy_stage is called with a constant
     // kTail, so the other stages' copies test nothing); copies of missing
     // blocks read nothing, from a valid address.
-    int first_block = 0;
-    size_t tile_row = 0;
+    int first_block = 0, tile_row = 0;
     auto copy_stage = [&](const bool kTail, uint8_t* base, int blocks) {
-        const size_t weight_offset = tile_row * (k_padded / 2) + first_block * 16;
-        const size_t scale_offset = tile_row * scale_len + first_block;
+        const size_t weight_offset = (size_t)tile_row * (k_padded / 2) + first_block * 16;
+        const size_t scale_offset = (size_t)tile_row * scale_len + first_block;
         const bool weight_valid = !kTail || tid % SB < blocks;
 #pragma unroll
         for (int j = 0; j < S::kWeightChunks; ++j)
             cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
-                        weight_valid ? weight_src[j] + weight_offset : weight, weight_valid ? 16 : 0);
+                        weight_valid ? weight_src + j * weight_src_stride + weight_offset : weight,
+                        weight_valid ? 16 : 0);
         if (tid < kRows)
 #pragma unroll
             for (int c = 0; c < SB; c += kScaleCopy) {
@@ -963,19 +972,21 @@ __device__ __forceinline__ void gemm_mainloop(
         }
     };
 
-    // kStages-deep cp.async pipeline, kAhead stages loading while one is
-    // computed. The slot refilled after the barrier of stage s is that of
-    // stage s + kAhead - kStages. mma.sync and e4m3 warpgroup MMAs finished
-    // with it before the barrier (kAhead = kStages - 1: the previous stage).
-    // bf16 warpgroup MMAs are left running: they refill the stage before the previous one
-    // (kAhead = kStages - 2), which each warp's first wgmma_wait<1> of stage
-    // s - 1 has seen complete, so the tensor cores never drain at a stage's
-    // end. When K has fewer stages than kStages, the prologue loads all of
-    // them and no slot beyond n_stages is touched, so shared_bytes() may
-    // allocate just n_stages slots.
-    constexpr int kAhead = S::kAsyncStages ? kStages - 2 : kStages - 1;
+    // A cp.async pipeline over a ring of kRing slots (stage 1: kStages;
+    // stage 2: kStage2Ring), kAhead stages loading while one is computed.
+    // The slot refilled after the barrier of stage s is that of stage
+    // s + kAhead - kRing. mma.sync and e4m3 warpgroup MMAs finished with it
+    // before the barrier (kAhead = kRing - 1: the previous stage). bf16
+    // warpgroup MMAs are left running: they refill the stage before the
+    // previous one (kAhead = kRing - 2), which each warp's first
+    // wgmma_wait<1> of stage s - 1 has seen complete, so the tensor cores
+    // never drain at a stage's end. When K has fewer stages than kRing, the
+    // prologue loads all of them and no slot beyond n_stages is touched, so
+    // shared_bytes() may allocate just n_stages slots.
+    static_assert(kRing <= S::kStages, "pipeline ring");
+    constexpr int kAhead = S::kAsyncStages ? kRing - 2 : kRing - 1;
     static_assert(kAhead >= 1, "pipeline depth");
-#pragma unroll
+#pragma unroll 1   // unrolled, it pushed stage-2 kernels at their register caps into spills
     for (int s = 0; s < kAhead; ++s) {
         if (s < n_stages) load_stage(s);
         cp_async_commit();
@@ -995,15 +1006,15 @@ __device__ __forceinline__ void gemm_mainloop(
             for (int i = 0; i < SB / 4; ++i)
             {
                 const uint32_t four_scales = *reinterpret_cast<const uint32_t*>(
-                    stage_base(s % kStages) + S::kScaleOffset + tid * SB + 4 * i);
+                    stage_base(s % kRing) + S::kScaleOffset + tid * SB + 4 * i);
                 wide |= any_scale_above(four_scales, S::kFp8 ? kFp8NarrowScale : 128u);
             }
         wide = __syncthreads_or(wide);
-        load_stage_fragments(s % kStages);
+        load_stage_fragments(s % kRing);
         const int next = s + kAhead;
-        if (next < n_stages) load_stage(next % kStages);
+        if (next < n_stages) load_stage(next % kRing);
         cp_async_commit();
-        compute_stage(s % kStages, wide);
+        compute_stage(s % kRing, wide);
         if constexpr (S::kRowTiles)
             if (++stage_in_tile == tile_stages && s + 1 < n_stages) {   // a row tile done, and more to come
                 tile_done(acc, tile++);
@@ -1129,9 +1140,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                                   GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage1MinBlocks) stage1_kernel(
         const uint8_t* __restrict__ gate_up_weight, const uint8_t* __restrict__ gate_up_scale,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
-        const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
+        const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
-        int top_k, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -1147,10 +1158,10 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     auto weight_row_of = [&](int r) {
         return ((r >> 3) & 1) * d_expert_pad + col0 + (r >> 4) * 8 + (r & 7);
     };
-    auto token_of = [&](int i) { return i < tile.rows ? sorted_pairs[tile.row_start + i] / top_k : -1; };
+    auto token_of = [&](int i) { return i < tile.rows ? sorted_tokens[tile.row_start + i] : -1; };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
+    gemm_mainloop<S, S::kStages>(acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
                      act_scale + first_block, token_of, d_hidden_pad, k_blocks, 1, 0,
                      [](float (&)[MT][WT][4], int) {});
 
@@ -1228,6 +1239,21 @@ STAGE2_SOURCE = r"""
 namespace moe {
 
 constexpr int kStage2YStride = kRows + 4;
+template <typename S>
+constexpr int kStage2EpilogueBytes = S::kTokens * kStage2YStride * (int)sizeof(float);
+
+// Stage 2's pipeline ring. Its CTAs stream several row tiles of a short K
+// (stage2_plan), and are sized for kStage2MinBlocks per SM: the ring has as
+// many slots (2..kStages) as fit that many CTAs, each with its epilogue
+// buffer, in an H100/H200 SM's 228 KB (1 KB of it reserved per CTA). bf16
+// warpgroup MMAs keep kStages (one row tile, long K).
+constexpr int kSharedBytesPerSm = 228 * 1024;
+template <typename S>
+constexpr int kStage2Fit = (kSharedBytesPerSm / S::kStage2MinBlocks - 1024 - kStage2EpilogueBytes<S>
+                            - S::kAlignmentSlack) / S::kStageBytes;
+template <typename S>
+constexpr int kStage2Ring = S::kAsyncStages || kStage2Fit<S> > S::kStages ? S::kStages
+                          : kStage2Fit<S> < 2 ? 2 : kStage2Fit<S>;
 
 __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1247,9 +1273,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                                   GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage2MinBlocks) stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
         const uint8_t* __restrict__ inter, const float* __restrict__ inter_scale,
-        const int* __restrict__ sorted_pairs, const int* __restrict__ expert_offsets,
-        const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
-        const float* __restrict__ topk_weights, int top_k,
+        const int* __restrict__ sorted_tokens, const float* __restrict__ sorted_weights,
+        const int* __restrict__ expert_offsets, const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -1268,7 +1293,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // pipeline's last one. (Values computed here rather than before the
     // mainloop: live across it, they made ptxas serialise the wgmmas.)
     auto add_tile = [&](float (&acc)[MT][WT][4], int row_tile) {
-        float* y = reinterpret_cast<float*>(S::epilogue_buffer(smem, k_blocks, cta_tiles));
+        float* y = reinterpret_cast<float*>(S::epilogue_buffer(smem, k_blocks, cta_tiles, kStage2Ring<S>));
         const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
         const int first_row = S::first_row(warp), first_token = S::first_token(warp);
 #pragma unroll
@@ -1284,17 +1309,17 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
             const int token = item / (kRows / 4), quad = item % (kRows / 4);
             const int col = row0 + row_tile * kRows + quad * 4;
             if (col >= d_hidden) continue;
-            const int pair = sorted_pairs[tile.row_start + token];
-            const float w = topk_weights[pair];
+            const int row = tile.row_start + token;
+            const float w = sorted_weights[row];
             const float* src = y + token * kStage2YStride + quad * 4;
-            atomic_add_float4(accumulator + (size_t)(pair / top_k) * d_hidden_pad + col,
+            atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
                               make_float4(w * src[0], w * src[1], w * src[2], w * src[3]));
         }
     };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S>(acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, d_expert_pad, k_blocks,
-                     cta_tiles, kRows, add_tile);
+    gemm_mainloop<S, kStage2Ring<S>>(acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of,
+                                       d_expert_pad, k_blocks, cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
 }
 
@@ -1331,9 +1356,9 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8)                                                    \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        int, int, uint8_t*, float*, float2*, int);                                                       \
+        int, uint8_t*, float*, float2*, int);                                                       \
     template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
-        const uint8_t*, const float*, const int*, const int*, const int2*, const int*, const float*, int, \
+        const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
         int, int, int, int, int, float*);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
@@ -1451,19 +1476,21 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n
 
 // Row tiles per stage-2 CTA. A CTA over several row tiles keeps the next
 // tile's stages loading while it finishes one, which short-K CTAs (a stage
-// or two each) cannot do alone; but it needs more pipeline slots, and
-// losing CTAs per SM to them costs more than the overlap gains (H200
-// sweep: with one-stage K, 2 row tiles per CTA 3-5% faster, 4 and 8 slower
-// than 1). So take the most row tiles (up to 8) that fit as many CTAs per
-// SM as one row tile does and leave at least two waves of CTAs. (The caller
-// keeps one for warpgroup-MMA configs: see GemmShape::kRowTiles.)
-template <typename S, typename Kernel>
-int stage2_row_tiles(Kernel kernel, int epilogue_bytes, int num_pairs, int n_experts, int k_blocks, int grid_rows) {
+// or two each) cannot do alone, and pays its start (the tile lookup, the
+// copy addresses) once; but its pipeline slots must not cost CTAs per SM
+// (H200 sweep, 2026-11-30: 4 or 8 row tiles over 4 slots, which halved the
+// CTAs per SM, were slower than 1; stage2_ring now sizes the ring to keep
+// them). So take the most row tiles (up to 8) that fit as many CTAs per SM
+// as one row tile does and leave at least two waves of CTAs. (The caller
+// keeps one for bf16 warpgroup-MMA configs: see GemmShape::kRowTiles.)
+// shared_bytes_of(row_tiles): a CTA's shared memory.
+template <typename S, typename Kernel, typename SharedBytes>
+int stage2_row_tiles(Kernel kernel, SharedBytes shared_bytes_of, int num_pairs, int n_experts, int grid_rows) {
     const int tiles = estimated_tiles<S>(num_pairs, n_experts);
-    const int per_sm = ctas_per_sm(kernel, S::kThreads, S::shared_bytes(k_blocks, epilogue_bytes, 1));
+    const int per_sm = ctas_per_sm(kernel, S::kThreads, shared_bytes_of(1));
     const long long slots = (long long)per_sm * sm_count();
     for (int row_tiles = 8; row_tiles > 1; row_tiles /= 2)
-        if (ctas_per_sm(kernel, S::kThreads, S::shared_bytes(k_blocks, epilogue_bytes, row_tiles)) == per_sm
+        if (ctas_per_sm(kernel, S::kThreads, shared_bytes_of(row_tiles)) == per_sm
             && (long long)tiles * ((grid_rows + row_tiles - 1) / row_tiles) >= 2 * slots)
             return row_tiles;
     return 1;
@@ -1474,35 +1501,41 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
                   int requested_row_tiles,
                   const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
                   const torch::Tensor& down_weight, const torch::Tensor& down_scale, const Activations& act,
-                  const int* sorted_pairs, const int* expert_offsets, const int2* tiles, const int* num_tiles,
-                  const torch::Tensor& topk_weights, int top_k, int d_hidden, int d_hidden_pad, int d_expert,
+                  const int* sorted_tokens, const float* sorted_weights, const int* expert_offsets,
+                  const int2* tiles, const int* num_tiles, int d_hidden, int d_hidden_pad, int d_expert,
                   int d_expert_pad, const Activations& inter, torch::Tensor& accumulator) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
     const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
-    const int epilogue1 = S::kTokens * kStage1HStride * (int)sizeof(float);
-    const int epilogue2 = S::kTokens * kStage2YStride * (int)sizeof(float);
-    const int all_stages = S::kStageBlocks * S::kStages;
-    allow_shared_memory(stage1, S::shared_bytes(all_stages, epilogue1));
-    allow_shared_memory(stage2, S::shared_bytes(all_stages, epilogue2, S::kRowTiles ? 2 : 1));   // the most of any row_tiles
-
     const int k_blocks1 = (d_hidden + kScaleBlock - 1) / kScaleBlock;
+    const int k_blocks2 = (d_expert + kScaleBlock - 1) / kScaleBlock;
+    auto shared_bytes1 = [](int k_blocks) {
+        return S::shared_bytes(k_blocks, S::kTokens * kStage1HStride * (int)sizeof(float), 1, S::kStages);
+    };
+    auto shared_bytes2 = [k_blocks2](int row_tiles) {
+        return S::shared_bytes(k_blocks2, kStage2EpilogueBytes<S>, row_tiles, kStage2Ring<S>);
+    };
+    const int all_stages = S::kStageBlocks * S::kStages;
+    allow_shared_memory(stage1, shared_bytes1(all_stages));
+    allow_shared_memory(stage2, S::shared_bytes(all_stages, kStage2EpilogueBytes<S>, S::kRowTiles ? 2 : 1,
+                                                kStage2Ring<S>));   // the most of any launch
+
     const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
     int splits = requested_splits > 0 ? requested_splits
-        : stage1_splits<S>(stage1, S::shared_bytes(k_blocks1, epilogue1), columns1, num_pairs, n_experts, k_blocks1);
+        : stage1_splits<S>(stage1, shared_bytes1(k_blocks1), columns1, num_pairs, n_experts, k_blocks1);
     // Whole stages per slice; rounding up may leave fewer, fuller slices.
     const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
     splits = (k_blocks1 + split_blocks - 1) / split_blocks;
     torch::Tensor partial;
     if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
     float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
-    const int smem1 = S::shared_bytes(std::min(split_blocks, k_blocks1), epilogue1);
+    const int smem1 = shared_bytes1(std::min(split_blocks, k_blocks1));
     stage1<<<dim3(max_tiles, columns1, splits), S::kThreads, smem1, stream>>>(
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
-        act.bytes(), act.scales(), sorted_pairs, expert_offsets, tiles, num_tiles,
-        top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
+        act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
+        d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
         partial_ptr, num_pairs);
     MOE_CUDA_CHECK(cudaGetLastError());
     if (splits > 1) {
@@ -1513,15 +1546,15 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
         MOE_CUDA_CHECK(cudaGetLastError());
     }
 
-    const int k_blocks2 = (d_expert + kScaleBlock - 1) / kScaleBlock, grid_rows = (d_hidden + kRows - 1) / kRows;
+    const int grid_rows = (d_hidden + kRows - 1) / kRows;
     const int row_tiles = !S::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
-        : stage2_row_tiles<S>(stage2, epilogue2, num_pairs, n_experts, k_blocks2, grid_rows));
+        : stage2_row_tiles<S>(stage2, shared_bytes2, num_pairs, n_experts, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
-    const int smem2 = S::shared_bytes(k_blocks2, epilogue2, row_tiles);
+    const int smem2 = shared_bytes2(row_tiles);
     stage2<<<grid2, S::kThreads, smem2, stream>>>(
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
-        inter.bytes(), inter.scales(), sorted_pairs, expert_offsets, tiles, num_tiles,
-        topk_weights.data_ptr<float>(), top_k, d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
+        inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
+        d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
         accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 }
@@ -1563,12 +1596,13 @@ torch::Tensor moe_forward(
     // Tiles: at most one partial tile per expert that has any pair.
     const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
-    auto routing = torch::empty({2 * max_tiles + 1 + (n_experts + 1) + num_pairs + 1}, int_opts);
+    auto routing = torch::empty({2 * max_tiles + 1 + (n_experts + 1) + 2 * num_pairs + 1}, int_opts);
     int2* tiles = reinterpret_cast<int2*>(routing.data_ptr<int>());
     int* num_tiles = reinterpret_cast<int*>(tiles + max_tiles);
     int* expert_offsets = num_tiles + 1;
-    int* sorted_pairs = expert_offsets + n_experts + 1;
-    int* bad_ids = sorted_pairs + num_pairs;
+    int* sorted_tokens = expert_offsets + n_experts + 1;
+    float* sorted_weights = reinterpret_cast<float*>(sorted_tokens + num_pairs);
+    int* bad_ids = sorted_tokens + 2 * num_pairs;
     const Activations act(m, d_hidden_pad, fp8, hidden_states.options());
     const Activations inter(num_pairs, d_expert_pad, fp8, hidden_states.options());
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
@@ -1577,8 +1611,8 @@ torch::Tensor moe_forward(
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
     allow_shared_memory(route_kernel, 3 * kMaxExperts * (int)sizeof(int));
     route_kernel<<<1, 1024, route_smem, stream>>>(
-        topk_ids.data_ptr<int>(), num_pairs, n_experts, (int)tile_tokens,
-        expert_offsets, tiles, num_tiles, sorted_pairs, bad_ids);
+        topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
+        expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids);
     MOE_CUDA_CHECK(cudaGetLastError());
     const dim3 quantize_grid(m, (d_hidden_pad + kQuantizeColumns - 1) / kQuantizeColumns);
     (fp8 ? quantize_hidden_kernel<true> : quantize_hidden_kernel<false>)<<<quantize_grid, kQuantizeThreads, 0, stream>>>(
@@ -1589,8 +1623,8 @@ torch::Tensor moe_forward(
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8))                                                                   \
         launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8>(stream, max_tiles, num_pairs, n_experts, (int)stage1_splits, \
             (int)stage2_row_tiles,                                                                            \
-            gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_pairs, expert_offsets, tiles, \
-            num_tiles, topk_weights, top_k, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,  \
+            gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_tokens, sorted_weights,      \
+            expert_offsets, tiles, num_tiles, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,  \
             accumulator);
     MOE_GEMM_CONFIGS(MOE_LAUNCH)
 #undef MOE_LAUNCH

@@ -193,21 +193,22 @@ def test_random_shapes(shape):
 
 
 @needs_cuda
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits,row_tiles", [(1, 1), (3, 3), (2, 8)], ids=lambda n: str(n))
 @pytest.mark.parametrize("config", solution.GEMM_CONFIGS, ids=lambda c: str(c).replace("/", "-"))
 @pytest.mark.parametrize("shape", [(7168, 256, 32, 8, 1, 100, 21), (2000, 300, 8, 3, 1, 77, 22),
                                    (1024, 256, 4, 2, 1, 300, 23)], ids=str)
-def test_every_gemm_config(shape, config, splits):
+def test_every_gemm_config(shape, config, splits, row_tiles):
     """Each compiled configuration, not only the ones the chooser picks today,
-    with stage 1's K whole and in three slices, and stage 2's CTAs over one
-    row tile and over three (the last CTA of each row then has fewer); K of
+    with stage 1's K whole and in two and three slices, and stage 2's CTAs
+    over one row tile, three (the last CTA of each row then has fewer) and
+    eight (more stages than the pipeline has slots, so the ring wraps); K of
     224 and 63 scale blocks (stage 1) and 10 (stage 2, d_expert 300) end
     stages and slices of every size part-way, and 300 tokens over five
     experts fill several tiles of every size."""
     module = solution._backend(torch.device("cuda"))[1]
     run_checked(reference.generate_input(*shape),
                 run=lambda d: solution._run_kernels(module, d, config, stage1_splits=splits,
-                                                    stage2_row_tiles=splits))
+                                                    stage2_row_tiles=row_tiles))
 
 
 def with_row_scales(data, index, low, high, share, gen):

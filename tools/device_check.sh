@@ -2,9 +2,11 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|official|profile|sweep|ncu|stalls|selfbench|bench|robust|all]...   (default: all)
+#   tools/device_check.sh [tests|official|profile|sweep|ab|ncu|stalls|selfbench|bench|robust|all]...   (default: all)
 #   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
+#    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py, calls
+#    interleaved in one process (tools/ab_bench.py; not part of "all");
 #    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
 #    (indices 0-6, default "0 4 5"): throughputs, tensor pipes, issue, stall reasons;
 #    stalls = ncu's warp-stall samples per SASS instruction of stage 1 on the first
@@ -63,6 +65,14 @@ fi
 if want bench; then
   step "eval.py benchmark (official benchmarks)"
   python3 eval.py benchmark specs/benchmarks.txt 2>"$OUT/eval_bench.err" | tee "$OUT/eval_bench.log" || status=1
+fi
+if asked ab; then   # not part of "all": .ab/base.py against this checkout (tools/ab_bench.py)
+  step "A/B: .ab/base.py against solution.py"
+  if [ -f .ab/base.py ]; then
+    python3 tools/ab_bench.py .ab/base.py 2>"$OUT/ab.err" | tee "$OUT/ab.log" || status=1
+  else
+    echo "skipped: .ab/base.py is missing"
+  fi
 fi
 if want profile; then
   step "per-kernel times"

@@ -35,26 +35,38 @@ def benchmark_inputs():
                                               solution.N_SHARED, bs, seed)
 
 
-def kernel_times(call, data, repeats: int) -> dict:
-    """Device us per call of each kernel `call(data)` launches, under torch.profiler."""
+def kernel_times(call, data, repeats: int, spans: list = None) -> dict:
+    """Device us per call of each kernel `call(data)` launches, under torch.profiler;
+    spans, if given, receives each call's us from its first kernel's start to its
+    last kernel's end (the calls are synchronised apart, so kernel gaps show)."""
     call(data)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             call(data)
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
     times = defaultdict(float)
+    kernels = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             times[event.name.split("(")[0].split("<")[0][-40:]] += event.device_time / repeats
+            kernels.append((event.time_range.start, event.time_range.end))
+    if spans is not None and kernels and len(kernels) % repeats == 0:
+        kernels.sort()
+        per_call = len(kernels) // repeats
+        for i in range(0, len(kernels), per_call):
+            spans.append(max(end for _, end in kernels[i:i + per_call]) - kernels[i][0])
     return times
 
 
 def per_kernel(repeats: int) -> None:
     for label, data in benchmark_inputs():
-        times = kernel_times(solution.custom_kernel, data, repeats)
+        spans = []
+        times = kernel_times(solution.custom_kernel, data, repeats, spans)
+        busy = sum(times.values())
+        span = sorted(spans)[len(spans) // 2] if spans else float("nan")
         parts = ", ".join(f"{name} {us:.1f}" for name, us in sorted(times.items(), key=lambda kv: -kv[1]))
-        print(f"{label}: {sum(times.values()):.1f} us = {parts}", flush=True)
+        print(f"{label}: {busy:.1f} us busy, {span:.1f} us first start to last end = {parts}", flush=True)
 
 
 SLICES = (1, 2, 4, 8)   # stage 1 K slices the sweep times for the chosen config
