@@ -5,14 +5,15 @@ activations are quantised to MXFP4 (Qa) before each expert GEMM, weights are
 MXFP4 with E8M0 block scales, and the result matches AITER's fused_moe up to
 fp32 summation order.
 
-On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs five
-kernels (six when stage 1's K is split), built on first use with torch's
+On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs four
+kernels (five when stage 1's K is split), built on first use with torch's
 load_inline and cached:
 
-  routing      per-expert token counts, offsets, the sorted (token, slot) list
-               and the tile table, on the device (one CTA);
-  quantise     Qa of the hidden states (bf16 values, or E4M3 codes and block
-               scales for the FP8 configs), and zeroing of the fp32 accumulator;
+  route and    one kernel: its last CTA makes the per-expert token counts,
+  quantise     offsets, the pairs sorted by expert (token and routing weight)
+               and the tile table; the others, meanwhile, Qa of the hidden
+               states (bf16 values, or E4M3 codes and block scales for the
+               FP8 configs) and zeroing of the fp32 accumulator;
   stage 1      gate/up GEMM + SwiGLU + bf16 rounding + Qa of the intermediate
                (with few tiles: the GEMM over slices of K, then a kernel that
                sums the slices in a fixed order before SwiGLU and Qa);
@@ -266,7 +267,8 @@ __device__ __forceinline__ int2 warp_inclusive_scan(int2 v, int lane) {
 ROUTING_SOURCE = r"""
 namespace moe {
 
-// One CTA of 1024 threads. Counts the (token, slot) pairs of each expert,
+// Run by one CTA (the first of route_and_quantize_kernel, 1024 threads).
+// Counts the (token, slot) pairs of each expert,
 // writes expert_offsets[E+1], the pairs sorted by expert (as each pair's
 // token and routing weight, so that a GEMM reads either with one load), and
 // the tile table (expert, first sorted row) of tiles of tile_tokens rows
@@ -274,7 +276,7 @@ namespace moe {
 // skipped, so no kernel ever indexes out of bounds. Order within an expert
 // is not fixed: every row of a GEMM tile is computed independently of the
 // others.
-__global__ void __launch_bounds__(1024) route_kernel(
+__device__ void route_pairs(
         const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
         int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
         int* __restrict__ num_tiles, int* __restrict__ sorted_tokens, float* __restrict__ sorted_weights,
@@ -1052,17 +1054,15 @@ namespace moe {
 
 // Qa of the hidden states into the GEMMs' activation format (bf16 values, or
 // kFp8: E4M3 codes and fp32 block scales), and zeroing of the fp32
-// accumulator that stage 2 adds into. Four threads share a 32-value block,
-// eight values each (one 16-byte load), so that the kernel moves whole
-// sectors; CTA (token, y) covers columns [512y, 512y+512).
-constexpr int kQuantizeThreads = 64;
-constexpr int kQuantizeColumns = kQuantizeThreads * 8;
+// accumulator that stage 2 adds into: columns k..k+7 of one token, by one
+// thread. Four threads (lanes 4j..4j+3 of a warp) share a 32-value block,
+// eight values each (one 16-byte load), so that whole sectors move.
 template <bool kFp8>
-__global__ void __launch_bounds__(kQuantizeThreads) quantize_hidden_kernel(
+__device__ __forceinline__ void quantize_hidden_columns(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
-        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
-    const int token = blockIdx.x, quad = threadIdx.x & 3;
-    const int k = blockIdx.y * kQuantizeColumns + threadIdx.x * 8;
+        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator,
+        int token, int k) {
+    const int quad = threadIdx.x & 3;
     if (k >= d_hidden_pad) return;   // whole blocks: d_hidden_pad is a multiple of 32
     const __nv_bfloat16* src = hidden + (size_t)token * d_hidden + k;
     float v[8];
@@ -1117,6 +1117,31 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_hidden_kernel(
     float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
     zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// A call's first kernel. CTA (0, 0) routes (route_pairs, one CTA's work;
+// first, so that it starts in the first wave); meanwhile CTA (1 + token, y)
+// runs Qa of columns [8192y, 8192y+8192) of one token
+// (quantize_hidden_columns), so that routing costs no launch of its own and
+// little time.
+constexpr int kPrepareThreads = 1024;
+constexpr int kPrepareColumns = kPrepareThreads * 8;
+template <bool kFp8>
+__global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
+        const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
+        int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
+        int* __restrict__ num_tiles, int* __restrict__ sorted_tokens, float* __restrict__ sorted_weights,
+        int* __restrict__ bad_ids,
+        const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
+        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
+    if (blockIdx.x == 0) {   // CTA-uniform: route_pairs' barriers see every thread
+        if (blockIdx.y == 0)
+            route_pairs(topk_ids, topk_weights, num_pairs, top_k, n_experts, tile_tokens, expert_offsets, tiles,
+                        num_tiles, sorted_tokens, sorted_weights, bad_ids);
+        return;
+    }
+    quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,
+                                  blockIdx.y * kPrepareColumns + threadIdx.x * 8);
 }
 
 constexpr int kStage1Columns = kRows / 2;  // intermediate columns per CTA
@@ -1363,8 +1388,8 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
-    template __global__ void quantize_hidden_kernel<FP8>(const __nv_bfloat16*, int, int, uint8_t*, float*, \
-                                                         float*);                                          \
+    template __global__ void route_and_quantize_kernel<FP8>(const int*, const float*, int, int, int, int,  \
+        int*, int2*, int*, int*, float*, int*, const __nv_bfloat16*, int, int, uint8_t*, float*, float*);  \
     template __global__ void swiglu_quantize_kernel<FP8>(const float2*, int, int, const int*, int, int, int, \
                                                          uint8_t*, float*);
 MOE_INSTANTIATE_QA(false)
@@ -1609,13 +1634,12 @@ torch::Tensor moe_forward(
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
-    allow_shared_memory(route_kernel, 3 * kMaxExperts * (int)sizeof(int));
-    route_kernel<<<1, 1024, route_smem, stream>>>(
+    const auto prepare = fp8 ? route_and_quantize_kernel<true> : route_and_quantize_kernel<false>;
+    allow_shared_memory(prepare, 3 * kMaxExperts * (int)sizeof(int));
+    prepare<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns), kPrepareThreads, route_smem,
+              stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
-        expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids);
-    MOE_CUDA_CHECK(cudaGetLastError());
-    const dim3 quantize_grid(m, (d_hidden_pad + kQuantizeColumns - 1) / kQuantizeColumns);
-    (fp8 ? quantize_hidden_kernel<true> : quantize_hidden_kernel<false>)<<<quantize_grid, kQuantizeThreads, 0, stream>>>(
+        expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
