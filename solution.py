@@ -9,7 +9,7 @@ On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs four
 kernels (five when stage 1's K is split), built on first use with torch's
 load_inline and cached:
 
-  route and    one kernel: its last CTA makes the per-expert token counts,
+  route and    one kernel: its first CTA makes the per-expert token counts,
   quantise     offsets, the pairs sorted by expert (token and routing weight)
                and the tile table; the others, meanwhile, Qa of the hidden
                states (bf16 values, or E4M3 codes and block scales for the
@@ -268,14 +268,13 @@ ROUTING_SOURCE = r"""
 namespace moe {
 
 // Run by one CTA (the first of route_and_quantize_kernel, 1024 threads).
-// Counts the (token, slot) pairs of each expert,
-// writes expert_offsets[E+1], the pairs sorted by expert (as each pair's
-// token and routing weight, so that a GEMM reads either with one load), and
-// the tile table (expert, first sorted row) of tiles of tile_tokens rows
-// that both GEMM stages walk. Ids outside [0, E) are counted in bad_ids and
-// skipped, so no kernel ever indexes out of bounds. Order within an expert
-// is not fixed: every row of a GEMM tile is computed independently of the
-// others.
+// Counts the (token, slot) pairs of each expert, writes expert_offsets[E+1],
+// the pairs sorted by expert (as each pair's token and routing weight, so
+// that a GEMM reads either with one load), and the tile table (expert, first
+// sorted row) of tiles of tile_tokens rows that both GEMM stages walk. Ids
+// outside [0, E) are counted in bad_ids and skipped, so no kernel ever
+// indexes out of bounds. Order within an expert is not fixed: every row of a
+// GEMM tile is computed independently of the others.
 __device__ void route_pairs(
         const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
         int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
@@ -1186,9 +1185,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     auto token_of = [&](int i) { return i < tile.rows ? sorted_tokens[tile.row_start + i] : -1; };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S, S::kStages>(acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
-                     act_scale + first_block, token_of, d_hidden_pad, k_blocks, 1, 0,
-                     [](float (&)[MT][WT][4], int) {});
+    gemm_mainloop<S, S::kStages>(acc, smem, weight, scale, weight_row_of,
+                                 act + first_block * kScaleBlock * S::kActValueBytes, act_scale + first_block,
+                                 token_of, d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
 
     // Accumulators 0, 1: row g (gate), tokens 2t, 2t+1; 2, 3: row g+8 (up).
     const int g = lane >> 2, t = lane & 3;
@@ -1268,7 +1267,7 @@ template <typename S>
 constexpr int kStage2EpilogueBytes = S::kTokens * kStage2YStride * (int)sizeof(float);
 
 // Stage 2's pipeline ring. Its CTAs stream several row tiles of a short K
-// (stage2_plan), and are sized for kStage2MinBlocks per SM: the ring has as
+// (stage2_row_tiles), and are sized for kStage2MinBlocks per SM: the ring has as
 // many slots (2..kStages) as fit that many CTAs, each with its epilogue
 // buffer, in an H100/H200 SM's 228 KB (1 KB of it reserved per CTA). bf16
 // warpgroup MMAs keep kStages (one row tile, long K).
@@ -1381,7 +1380,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8)                                                    \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        int, uint8_t*, float*, float2*, int);                                                       \
+        int, uint8_t*, float*, float2*, int);                                                             \
     template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
         int, int, int, int, int, float*);
@@ -1504,7 +1503,7 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n
 // or two each) cannot do alone, and pays its start (the tile lookup, the
 // copy addresses) once; but its pipeline slots must not cost CTAs per SM
 // (H200 sweep, 2026-11-30: 4 or 8 row tiles over 4 slots, which halved the
-// CTAs per SM, were slower than 1; stage2_ring now sizes the ring to keep
+// CTAs per SM, were slower than 1; kStage2Ring now sizes the ring to keep
 // them). So take the most row tiles (up to 8) that fit as many CTAs per SM
 // as one row tile does and leave at least two waves of CTAs. (The caller
 // keeps one for bf16 warpgroup-MMA configs: see GemmShape::kRowTiles.)
@@ -1634,10 +1633,10 @@ torch::Tensor moe_forward(
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
-    const auto prepare = fp8 ? route_and_quantize_kernel<true> : route_and_quantize_kernel<false>;
-    allow_shared_memory(prepare, 3 * kMaxExperts * (int)sizeof(int));
-    prepare<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns), kPrepareThreads, route_smem,
-              stream>>>(
+    const auto route_and_quantize = fp8 ? route_and_quantize_kernel<true> : route_and_quantize_kernel<false>;
+    allow_shared_memory(route_and_quantize, 3 * kMaxExperts * (int)sizeof(int));
+    route_and_quantize<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns), kPrepareThreads,
+                         route_smem, stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
