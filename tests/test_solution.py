@@ -193,6 +193,14 @@ def test_random_shapes(shape):
 
 
 @needs_cuda
+def test_hidden_rows_wider_than_one_quantize_cta():
+    """d_hidden 9000 pads to 9216 columns: Qa of a token row then spans two
+    CTAs of the routing-and-Qa kernel (8192 columns each), the second one
+    part-way."""
+    run_checked(reference.generate_input(9000, 256, 4, 2, 1, 5, 31))
+
+
+@needs_cuda
 @pytest.mark.parametrize("splits,row_tiles", [(1, 1), (3, 3), (2, 8)], ids=lambda n: str(n))
 @pytest.mark.parametrize("config", solution.GEMM_CONFIGS, ids=lambda c: str(c).replace("/", "-"))
 @pytest.mark.parametrize("shape", [(7168, 256, 32, 8, 1, 100, 21), (2000, 300, 8, 3, 1, 77, 22),
