@@ -624,7 +624,8 @@ struct GemmShape {
     // kRing): as many stages as that, up to the ring (so that short-K CTAs
     // fit more per SM).
     static __host__ __device__ constexpr int pipeline_slots(int k_blocks, int row_tiles, int ring) {
-        return (k_blocks + SB - 1) / SB * row_tiles < ring ? (k_blocks + SB - 1) / SB * row_tiles : ring;
+        const int stages = (k_blocks + SB - 1) / SB * row_tiles;
+        return stages < ring ? stages : ring;
     }
     // Shared memory of such a launch whose epilogue stages epilogue_bytes:
     // with one row tile the epilogue reuses the pipeline's memory; with more

@@ -563,9 +563,13 @@ def test_scales_above_128_are_detected(helpers):
     assert helpers("above128", words) == expected
 
 
-def random_blocks(position, seed, count=20):
-    """(16 fp4x2 weight bytes, activations stored at position, exact dot
-    product) for random scale blocks: what a layout test's MMA must give."""
+def random_blocks(helpers, position_helper, seed, count=20):
+    """(weight words, activations, exact dot product) for random scale
+    blocks: what a layout test's MMA must give. Word t (the block's fp4x2
+    bytes 4t..4t+3) is thread t's of a quad; the activations are stored at
+    the kernel's permutation `position_helper`, checked to be one."""
+    position = helpers(position_helper, range(32))
+    assert sorted(position) == list(range(32))
     gen = torch.Generator().manual_seed(seed)
     for _ in range(count):
         row = torch.randint(0, 256, (16,), generator=gen).tolist()
@@ -575,7 +579,8 @@ def random_blocks(position, seed, count=20):
         stored = [0.0] * 32
         for p in range(32):
             stored[position[p]] = act[p]
-        yield row, stored, sum(w * a for w, a in zip(weight, act))
+        words = [int.from_bytes(bytes(row[4 * t:4 * t + 4]), "little") for t in range(4)]
+        yield words, stored, sum(w * a for w, a in zip(weight, act))
 
 
 def test_weight_pairs_and_activation_layout_agree(helpers):
@@ -584,12 +589,9 @@ def test_weight_pairs_and_activation_layout_agree(helpers):
     step s taking pairs 2s (k 2t, 2t+1) and 2s+1 (k 2t+8, 2t+9); the B
     fragments are the activations at act_position. The MMA's dot product
     must equal the plain one over the block."""
-    position = helpers("position", range(32))
-    assert sorted(position) == list(range(32))
-    for row, stored, expected in random_blocks(position, seed=6):
+    for words, stored, expected in random_blocks(helpers, "position", seed=6):
         mma = 0.0
-        for t in range(4):
-            word = int.from_bytes(bytes(row[4 * t:4 * t + 4]), "little")
+        for t, word in enumerate(words):
             pairs = [bf16_halves(helpers(f"pair{j}", [word])[0]) for j in range(4)]
             for s in range(2):
                 for half in range(2):
@@ -625,12 +627,9 @@ def test_fp8_weight_bytes_and_activation_layout_agree(helpers):
     loop builds it: thread t of a quad gives word t's even values for k
     4t..4t+3 and its odd values for k 16+4t..; the activations sit at
     fp8_act_position. The dot product must equal the plain one."""
-    position = helpers("fp8position", range(32))
-    assert sorted(position) == list(range(32))
-    for row, stored, expected in random_blocks(position, seed=8):
+    for words, stored, expected in random_blocks(helpers, "fp8position", seed=8):
         mma = 0.0
-        for t in range(4):
-            word = int.from_bytes(bytes(row[4 * t:4 * t + 4]), "little")
+        for t, word in enumerate(words):
             even, odd = e4m3_values(helpers("even", [word])[0]), e4m3_values(helpers("odd", [word])[0])
             for j in range(4):
                 mma += even[j] * 2.0 ** 6 * stored[4 * t + j] + odd[j] * 2.0 ** 6 * stored[16 + 4 * t + j]
