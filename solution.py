@@ -20,6 +20,10 @@ load_inline and cached:
   stage 2      down GEMM, weighted by topk_weights, added into the accumulator;
   convert      fp32 accumulator to the bf16 output.
 
+On sm_90 every kernel after the first is launched with programmatic
+dependent launch: its CTAs are placed while the kernel before it finishes,
+and wait for it on the device (wait_for_previous_kernel).
+
 Both GEMMs read the raw (unshuffled) weights, 16-byte runs of raw rows (one
 32-value scale block each) copied straight into shared memory; AITER's
 shuffled layout serves its CK kernels' register layout, not ours.
@@ -247,6 +251,25 @@ __device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* 
         reinterpret_cast<__nv_bfloat16*>(dst)[act_position(lane)] =
             __float2bfloat16_rn(has_nan ? __int_as_float(0x7FC00000) : qa_value(v, e));
     }
+}
+
+// Programmatic dependent launch (sm_90; elsewhere no-ops, and the host
+// launches normally). The host launches each kernel after the first so that
+// it may start while the kernel before it finishes (launch_kernel):
+// wait_for_previous_kernel then blocks until that kernel has completed and
+// its writes are visible. Every such kernel waits before it reads or writes
+// anything, in every CTA, so a kernel's completion implies its
+// predecessors'. let_next_kernel_launch lets the next kernel's CTAs be
+// placed as soon as all of this kernel's CTAs have started.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(USE_ROCM)
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_kernel_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(USE_ROCM)
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ int2 warp_inclusive_scan(int2 v, int lane) {
@@ -1134,6 +1157,7 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         int* __restrict__ bad_ids,
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
         uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
+    let_next_kernel_launch();   // a call's first kernel: launched normally, after whatever came before
     if (blockIdx.x == 0) {   // CTA-uniform: route_pairs' barriers see every thread
         if (blockIdx.y == 0)
             route_pairs(topk_ids, topk_weights, num_pairs, top_k, n_experts, tile_tokens, expert_offsets, tiles,
@@ -1171,6 +1195,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1240,6 +1266,8 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
         const float2* __restrict__ partial, int splits, int num_pairs, const int* __restrict__ expert_offsets,
         int n_experts, int d_expert, int d_expert_pad, uint8_t* __restrict__ inter, float* __restrict__ inter_scale) {
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
     const int row = blockIdx.x, lane = threadIdx.x & 31;
     const int col = (blockIdx.y * kSwigluWarps + (threadIdx.x >> 5)) * kScaleBlock + lane;
     if (row >= expert_offsets[n_experts] || col - lane >= d_expert) return;   // warp-uniform
@@ -1303,6 +1331,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
     const int tid = threadIdx.x;
@@ -1355,6 +1385,7 @@ constexpr int kConvertThreads = 256;
 __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
         const float* __restrict__ accumulator, int d_hidden_pad, __nv_bfloat16* __restrict__ out, int d_hidden,
         const int* __restrict__ bad_ids) {
+    wait_for_previous_kernel();
     const int token = blockIdx.x, col = 4 * (blockIdx.y * kConvertThreads + threadIdx.x);
     if (col >= d_hidden) return;
     // Padded rows are whole multiples of 256 floats, so the float4 stays inside the row.
@@ -1452,6 +1483,31 @@ int ctas_per_sm(Kernel kernel, int threads, int smem) {
     int per_sm = 0;
     MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
     return known[key] = std::max(per_sm, 1);
+}
+
+// Launches every kernel of a call after its first (see
+// wait_for_previous_kernel): on sm_90, with programmatic dependent launch, so
+// that its CTAs are placed while the kernel before it finishes instead of
+// after; elsewhere as a plain launch.
+template <typename... Params, typename... Args>
+void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                           Args... args) {
+#if !defined(USE_ROCM)
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute overlap;
+    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &overlap;
+    config.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+    MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+#else
+    kernel<<<grid, block, smem, stream>>>(args...);
+    MOE_CUDA_CHECK(cudaGetLastError());
+#endif
 }
 
 __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
@@ -1557,31 +1613,27 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
     float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
     const int smem1 = shared_bytes1(std::min(split_blocks, k_blocks1));
-    stage1<<<dim3(max_tiles, columns1, splits), S::kThreads, smem1, stream>>>(
+    launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S::kThreads, smem1, stream,
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
         act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
         partial_ptr, num_pairs);
-    MOE_CUDA_CHECK(cudaGetLastError());
-    if (splits > 1) {
-        swiglu_quantize_kernel<FP8><<<dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
-                                      kSwigluWarps * 32, 0, stream>>>(
+    if (splits > 1)
+        launch_after_previous(swiglu_quantize_kernel<FP8>, dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
+            kSwigluWarps * 32, 0, stream,
             partial_ptr, splits, num_pairs, expert_offsets, n_experts, d_expert, d_expert_pad, inter.bytes(),
             inter.scales());
-        MOE_CUDA_CHECK(cudaGetLastError());
-    }
 
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
     const int row_tiles = !S::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
         : stage2_row_tiles<S>(stage2, shared_bytes2, num_pairs, n_experts, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(row_tiles);
-    stage2<<<grid2, S::kThreads, smem2, stream>>>(
+    launch_after_previous(stage2, grid2, S::kThreads, smem2, stream,
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
         accumulator.data_ptr<float>());
-    MOE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace moe
@@ -1654,10 +1706,9 @@ torch::Tensor moe_forward(
 #undef MOE_LAUNCH
 #undef MOE_IS
 
-    convert_output_kernel<<<dim3(m, (d_hidden + 4 * kConvertThreads - 1) / (4 * kConvertThreads)), kConvertThreads,
-                            0, stream>>>(accumulator.data_ptr<float>(), d_hidden_pad, bf16_ptr(out), (int)d_hidden,
-                                         bad_ids);
-    MOE_CUDA_CHECK(cudaGetLastError());
+    launch_after_previous(convert_output_kernel,
+        dim3(m, (d_hidden + 4 * kConvertThreads - 1) / (4 * kConvertThreads)), kConvertThreads, 0, stream,
+        accumulator.data_ptr<float>(), d_hidden_pad, bf16_ptr(out), (int)d_hidden, bad_ids);
     return out;
 }
 """
