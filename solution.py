@@ -385,7 +385,7 @@ class KernelConfig(NamedTuple):
     stage_blocks: int   # scale blocks (32 K values) per cp.async pipeline stage
     stages: int         # pipeline depth
     wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
-    fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 or 16 tokens)
+    fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8, 16 or 32 tokens)
 
     def __str__(self):
         return "%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
@@ -395,7 +395,8 @@ class KernelConfig(NamedTuple):
 GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8, 3, False),
                 KernelConfig(64, 16, 64, 4, 4, False), KernelConfig(64, 32, 64, 4, 4, False),
                 KernelConfig(64, 16, 64, 4, 4, True),
-                KernelConfig(8, 16, 8, 8, 4, True, True), KernelConfig(16, 16, 16, 8, 3, True, True))
+                KernelConfig(8, 16, 8, 8, 4, True, True), KernelConfig(16, 16, 16, 8, 3, True, True),
+                KernelConfig(32, 16, 32, 8, 3, True, True))
 GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
     f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
     f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'})"
@@ -499,7 +500,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
 // g, g+8, then k 16+4t.. of both), b as in wgmma_m64n64k16.
 template <int N8>
 __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t b_descriptor) {
-    static_assert(N8 == 1 || N8 == 2, "8 or 16 tokens");
+    static_assert(N8 >= 1 && N8 <= 4, "8 to 32 tokens");
 #ifdef MOE_HAS_WGMMA
     if constexpr (N8 == 1)
         asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %9, 0;\n"
@@ -507,12 +508,31 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a
                      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, accumulate, 1, 1;\n}\n"
                      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
-    else
+    else if constexpr (N8 == 2)
         asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %13, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
                      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, accumulate, 1, 1;\n}\n"
                      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
                        "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+    else if constexpr (N8 == 3)
+        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %17, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, "
+                     "accumulate, 1, 1;\n}\n"
+                     : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
+                       "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]),
+                       "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+    else
+        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %21, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                     "{%16, %17, %18, %19}, %20, accumulate, 1, 1;\n}\n"
+                     : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
+                       "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]),
+                       "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]),
+                       "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
 #else
     __trap();
@@ -563,8 +583,8 @@ __device__ __forceinline__ void fence_async_shared() {
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 struct GemmShape {
     static_assert((MT == 1 || MT == 2) && NT % WT == 0 && SB % 4 == 0, "GEMM tiling");
-    static_assert(!WG || (MT == 1 && WT == NT && (FP8 ? NT <= 2 : NT == 8)),
-                  "warpgroup MMAs are built for 16-row warps with 64 (bf16) or 8 or 16 (e4m3) tokens");
+    static_assert(!WG || (MT == 1 && WT == NT && (FP8 ? NT <= 4 : NT == 8)),
+                  "warpgroup MMAs are built for 16-row warps with 64 (bf16) or 8 to 32 (e4m3) tokens");
     static_assert(!FP8 || WG, "e4m3 MMAs are warpgroup MMAs");
     static constexpr bool kWgmma = WG, kFp8 = FP8;
     // bf16 warpgroup MMAs may still read a stage after the warps leave it
@@ -633,9 +653,11 @@ struct GemmShape {
     // other. 8-token tiles are capped at 64 registers so that 1024 threads
     // fit per SM, 16-token tiles at 80 (768 threads; 64 would spill).
     // bf16 warpgroup-MMA CTAs are capped at 128 registers so that two fit
-    // per SM; e4m3 ones at 80 (8 tokens; 64 spills) and 128 (16; 80 spills).
+    // per SM; e4m3 ones at 80 (8 tokens; 64 spills) and 128 (16 and 32; 80
+    // spills at 16).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
-    static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3) : 1;
+    static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
+                                          : FP8 ? 2 : 1;
     // Several row tiles per CTA (gemm_mainloop): not with bf16 warpgroup
     // MMAs, where zeroing the accumulators between a tile's MMAs and the
     // next tile's makes ptxas serialise every wgmma; their configs serve the
