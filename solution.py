@@ -1843,17 +1843,21 @@ def _build_kernels(arch: str):
 def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool = False) -> KernelConfig:
     """GEMM configuration for a call, from the sweep of tools/profile_kernels.py
     (BENCHMARKS.md); wgmma: the GPU has Hopper's warpgroup MMAs (sm_90).
-    Tiles hold one expert's tokens, so few tokens per expert want 8- or
-    16-token tiles: re-reading an expert's weights per tile mostly hits L2,
-    while wide tiles waste MMA work. On sm_90 those take e4m3 warpgroup
-    MMAs, whose fp4 -> e4m3 conversion costs under half the integer work of
-    fp4 -> bf16 (2-7% faster per call). From about 32 tokens per expert on,
-    64-token tiles win: each warp then converts its weights once for all 64
-    tokens, and on sm_90 warpgroup MMAs read the tokens from shared memory
-    without ldmatrix."""
+    Tiles hold one expert's tokens, so a tile is best while most experts'
+    tokens fit in one tile and few of its columns stay empty: an expert
+    spilling into a second tile has its weights read and converted again,
+    while wide tiles waste MMA work. So 8-token tiles up to 8 tokens per
+    expert, 16 up to 16, on sm_90 32 up to 28 (measured: best at 17.5-26,
+    64-token tiles best at 35). Those narrow tiles take e4m3 warpgroup MMAs
+    on sm_90, whose fp4 -> e4m3 conversion costs under half the integer work
+    of fp4 -> bf16. Beyond them 64-token tiles win: each warp converts its
+    weights once for all 64 tokens, and on sm_90 warpgroup MMAs read the
+    tokens from shared memory without ldmatrix."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
         return KernelConfig(8, 16, 8, 8, 4, wgmma, wgmma)
+    if wgmma and 16 < tokens_per_expert <= 28:
+        return KernelConfig(32, 16, 32, 8, 3, True, True)
     if tokens_per_expert <= 20:
         return KernelConfig(16, 16, 16, 8, 3, wgmma, wgmma)
     if wgmma:

@@ -1,9 +1,13 @@
 """Where a call's time goes, on the official benchmark shapes.
 
     python tools/profile_kernels.py [repeats]   per-kernel device time per call
-    python tools/profile_kernels.py --sweep     each GEMM config the chooser can pick, timed, and the
+    python tools/profile_kernels.py --sweep [BS:ROUTED:D_EXPERT ...]
+                                                each GEMM config the chooser can pick, timed, and the
                                                 chosen config with stage 1's K in 1, 2, 4 and 8 slices
-                                                and stage 2's CTAs over 1, 2, 4 and 8 row tiles
+                                                and stage 2's CTAs over 1, 2, 4 and 8 row tiles, on the
+                                                benchmark shapes or the shapes given (d_hidden 7168,
+                                                top-8 routed + 1 shared expert, seed 1), e.g. 384:256:256
+                                                to find where the chooser should switch configs
     python tools/profile_kernels.py --once N    benchmark shape N (0-6, or all) called twice, for ncu
                                                 and compute-sanitizer:
         ncu -k regex:stage1 -s 5 -c 1 --set full python tools/profile_kernels.py --once 0
@@ -28,8 +32,8 @@ import reference  # noqa: E402
 import solution  # noqa: E402
 
 
-def benchmark_inputs():
-    for bs, routed, d_expert, seed, _ in solution.BENCHMARK_SHAPES:
+def benchmark_inputs(shapes=None):
+    for bs, routed, d_expert, seed, _ in shapes or solution.BENCHMARK_SHAPES:
         label = f"bs={bs} E={routed + solution.N_SHARED} d_expert={d_expert}"
         yield label, reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K,
                                               solution.N_SHARED, bs, seed)
@@ -73,7 +77,7 @@ SLICES = (1, 2, 4, 8)   # stage 1 K slices the sweep times for the chosen config
 ROW_TILES = (1, 2, 4, 8)   # row tiles per stage-2 CTA the sweep times for the chosen config
 
 
-def sweep() -> None:
+def sweep(shapes=None) -> None:
     module = solution._backend(torch.device("cuda"))[1]
     timer = harness.cuda_timer()
 
@@ -87,7 +91,7 @@ def sweep() -> None:
     header = f"{'shape':<28}" + "".join(f"{str(c):>{width}}" for c in configs)
     print(header + "   chosen")
     stage_rows = []
-    for label, data in benchmark_inputs():
+    for label, data in benchmark_inputs(shapes):
         m, top_k, n_experts = data[0].shape[0], data[10].shape[1], data[1].shape[0]
         row, stage_row = [], []
         for config in configs:
@@ -138,8 +142,8 @@ def load(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--sweep"]:
-        sweep()
+    if sys.argv[1:2] == ["--sweep"]:
+        sweep([tuple(map(int, shape.split(":"))) + (1, None) for shape in sys.argv[2:]])
     elif sys.argv[1:2] == ["--once"]:
         once(sys.argv[2])
     elif sys.argv[1:2] == ["--save"]:
