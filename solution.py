@@ -500,7 +500,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
 // g, g+8, then k 16+4t.. of both), b as in wgmma_m64n64k16.
 template <int N8>
 __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t b_descriptor) {
-    static_assert(N8 >= 1 && N8 <= 4, "8 to 32 tokens");
+    static_assert(N8 == 1 || N8 == 2 || N8 == 4, "8, 16 or 32 tokens");
 #ifdef MOE_HAS_WGMMA
     if constexpr (N8 == 1)
         asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %9, 0;\n"
@@ -514,15 +514,6 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a
                      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, accumulate, 1, 1;\n}\n"
                      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
                        "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
-    else if constexpr (N8 == 3)
-        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %17, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, "
-                     "accumulate, 1, 1;\n}\n"
-                     : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
-                       "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]),
-                       "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
     else
         asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %21, 0;\n"
@@ -578,7 +569,7 @@ __device__ __forceinline__ void fence_async_shared() {
 // each weight once per CTA. WG: the MMAs are warpgroup MMAs (sm_90a), each
 // warpgroup 64 rows x all the tile's tokens, the tokens read by the tensor
 // cores straight from shared memory (no ldmatrix, no B fragments in
-// registers): bf16 for 64 tokens, or (FP8) e4m3 for 8 or 16, with fp32
+// registers): bf16 for 64 tokens, or (FP8) e4m3 for 8 to 32, with fp32
 // activation block scales beside them in each stage.
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 struct GemmShape {
