@@ -1,14 +1,18 @@
-"""Two versions of solution.py timed against each other on the official
-benchmark shapes, in one process, their calls interleaved round by round so
-that clock and machine drift fall on both alike (absolute times move by a
-few percent between H200s; a difference measured this way does not).
+"""Versions of solution.py timed against a base on the official benchmark
+shapes, in one process, their calls interleaved round by round so that
+clock and machine drift fall on all alike (absolute times move by a few
+percent between H200s; a difference measured this way does not).
 
-    python tools/ab_bench.py BASE.py [CANDIDATE.py] [rounds]
+    python tools/ab_bench.py BASE.py [CANDIDATE.py ...] [rounds]
 
 CANDIDATE defaults to this checkout's solution.py; rounds (default 6) of 5
-event-timed calls each, after an L2 flush as eval.py times them. Both must
-pass the reference check on every shape. For the committed version:
+event-timed calls each per version, after an L2 flush as eval.py times them.
+Every version must pass the reference check on every shape. For the
+committed version, and a branch's:
     mkdir -p .ab && git show HEAD:solution.py > .ab/base.py   (.ab/ is git-ignored: carry it)
+    git show BRANCH:solution.py > .ab/candidate_BRANCH.py
+Each version builds its own kernels (about a minute each, in parallel if
+they are imported beforehand in separate processes).
 """
 import importlib.util
 import math
@@ -31,35 +35,42 @@ def load(path: str, name: str):
 
 
 def main() -> int:
-    base_path = sys.argv[1]
-    candidate_path = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(__file__), "..",
-                                                                        "solution.py")
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
-    versions = [load(base_path, "ab_base"), load(candidate_path, "ab_candidate")]
+    args = sys.argv[1:]
+    rounds = int(args.pop()) if len(args) > 1 and args[-1].isdigit() else 6
+    base_path, candidate_paths = args[0], args[1:] or [os.path.join(os.path.dirname(__file__), "..", "solution.py")]
+    versions = [load(path, f"ab_version_{i}") for i, path in enumerate([base_path] + candidate_paths)]
+    names = ["base"] + [os.path.splitext(os.path.basename(path))[0] for path in candidate_paths]
     timer = harness.cuda_timer()
-    print(f"{'shape':<28} {'base us':>9} {'cand us':>9} {'cand/base':>9}", flush=True)
-    ratios, all_ok = [], True
+    for i, path in enumerate(candidate_paths):
+        print(f"candidate {i + 1}: {path}")
+    print(f"{'shape':<28} {'base us':>9}" + "".join(f" {f'cand {i + 1} us':>10} {'/base':>6}"
+                                                   for i in range(len(candidate_paths))), flush=True)
+    ratios, all_ok = [[] for _ in candidate_paths], True
     for bs, routed, d_expert, seed, _ in solution.BENCHMARK_SHAPES:
         label = f"bs={bs} E={routed + solution.N_SHARED} d_expert={d_expert}"
         data = reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K, solution.N_SHARED,
                                         bs, seed)
-        times = [[], []]
-        for i, version in enumerate(versions):
+        times = [[] for _ in versions]
+        for name, version in zip(names, versions):
             ok, message = reference.check_implementation(data, version.custom_kernel(data))
             all_ok &= ok
             if not ok:
-                print(f"{label}: {'base' if i == 0 else 'candidate'} FAILS the check: {message}")
+                print(f"{label}: {name} FAILS the check: {message}")
         for _ in range(rounds):
             for i, version in enumerate(versions):
                 timer.hide_host_cost(harness.host_call_ns(version.custom_kernel, data))
                 times[i] += [timer.time_call(version.custom_kernel, data)[1] / 1e3 for _ in range(5)]
-        base_us, candidate_us = (sorted(t)[len(t) // 2] for t in times)
-        ratios.append(candidate_us / base_us)
-        print(f"{label:<28} {base_us:9.1f} {candidate_us:9.1f} {ratios[-1]:9.3f}", flush=True)
+        medians = [sorted(t)[len(t) // 2] for t in times]
+        row = f"{label:<28} {medians[0]:9.1f}"
+        for i, us in enumerate(medians[1:]):
+            ratios[i].append(us / medians[0])
+            row += f" {us:10.1f} {ratios[i][-1]:6.3f}"
+        print(row, flush=True)
         del data
         torch.cuda.empty_cache()
-    print(f"{'geomean ratio':<28} {'':>9} {'':>9} {math.exp(sum(map(math.log, ratios)) / len(ratios)):9.3f}")
-    print(f"median of {rounds * 5} event-timed calls after an L2 flush, base and candidate interleaved")
+    print(f"{'geomean ratio':<28} {'':>9}" + "".join(f" {'':>10} {math.exp(sum(map(math.log, r)) / len(r)):6.3f}"
+                                                     for r in ratios))
+    print(f"median of {rounds * 5} event-timed calls after an L2 flush, the versions' calls interleaved")
     return 0 if all_ok else 1
 
 

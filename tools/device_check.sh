@@ -5,8 +5,8 @@
 #   tools/device_check.sh [tests|official|profile|sweep|ab|ncu|stalls|selfbench|bench|robust|all]...   (default: all)
 #   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
-#    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py, calls
-#    interleaved in one process (tools/ab_bench.py; not part of "all");
+#    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
+#    .ab/candidate_*.py, calls interleaved in one process (tools/ab_bench.py; not part of "all");
 #    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
 #    (indices 0-6, default "0 4 5"): throughputs, tensor pipes, issue, stall reasons;
 #    stalls = ncu's warp-stall samples per SASS instruction of stage 1 on the first
@@ -66,10 +66,21 @@ if want bench; then
   step "eval.py benchmark (official benchmarks)"
   python3 eval.py benchmark specs/benchmarks.txt 2>"$OUT/eval_bench.err" | tee "$OUT/eval_bench.log" || status=1
 fi
-if asked ab; then   # not part of "all": .ab/base.py against this checkout (tools/ab_bench.py)
-  step "A/B: .ab/base.py against solution.py"
+if asked ab; then   # not part of "all": .ab/base.py against this checkout and .ab/candidate_*.py
+  step "A/B: .ab/base.py against solution.py and .ab/candidate_*.py"
   if [ -f .ab/base.py ]; then
-    python3 tools/ab_bench.py .ab/base.py 2>"$OUT/ab.err" | tee "$OUT/ab.log" || status=1
+    shopt -s nullglob
+    candidates=(.ab/candidate_*.py)
+    # Every other version's kernels, built at once (one process each) before any timing.
+    for version in .ab/base.py "${candidates[@]}"; do
+      python3 -c "import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location('version', sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(sys.argv[1], module._backend(torch.device('cuda'))[0])" "$version" >>"$OUT/ab_build.log" 2>&1 &
+    done
+    wait
+    python3 tools/ab_bench.py .ab/base.py solution.py "${candidates[@]}" 2>"$OUT/ab.err" | tee "$OUT/ab.log" || status=1
   else
     echo "skipped: .ab/base.py is missing"
   fi
