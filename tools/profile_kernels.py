@@ -1,6 +1,7 @@
 """Where a call's time goes, on the official benchmark shapes.
 
-    python tools/profile_kernels.py [repeats]   per-kernel device time per call
+    python tools/profile_kernels.py [repeats]   per-kernel device time per call (each kernel from its
+                                                predecessor's end: see call_kernel_times)
     python tools/profile_kernels.py --sweep [BS:ROUTED:D_EXPERT ...]
                                                 each GEMM config the chooser can pick, timed, and the
                                                 chosen config with stage 1's K in 1, 2, 4 and 8 slices
@@ -39,28 +40,43 @@ def benchmark_inputs(shapes=None):
                                               solution.N_SHARED, bs, seed)
 
 
+def call_kernel_times(kernels: list, repeats: int, spans: list = None) -> dict:
+    """Per-call us of each kernel name, from (start, end, name) events of
+    `repeats` calls that ran apart. A kernel counts from when the kernel
+    before it ended, or from its own start if later: under programmatic
+    dependent launch its CTAs are placed, and its span starts, while its
+    predecessor still runs, and the overlap is the predecessor's time.
+    spans, if given, receives each call's us from its first kernel's start
+    to its last kernel's end."""
+    times = defaultdict(float)
+    if not kernels or len(kernels) % repeats:
+        return times
+    kernels = sorted(kernels)
+    per_call = len(kernels) // repeats
+    for i in range(0, len(kernels), per_call):
+        call = kernels[i:i + per_call]
+        previous_end = call[0][0]
+        for start, end, name in call:
+            times[name] += max(0.0, end - max(start, previous_end)) / repeats
+            previous_end = max(previous_end, end)
+        if spans is not None:
+            spans.append(previous_end - call[0][0])
+    return times
+
+
 def kernel_times(call, data, repeats: int, spans: list = None) -> dict:
-    """Device us per call of each kernel `call(data)` launches, under torch.profiler;
-    spans, if given, receives each call's us from its first kernel's start to its
-    last kernel's end (the calls are synchronised apart, so kernel gaps show)."""
+    """Device us per call of each kernel `call(data)` launches, under
+    torch.profiler, as call_kernel_times counts them (the calls are
+    synchronised apart, so gaps between kernels show in the spans)."""
     call(data)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             call(data)
             torch.cuda.synchronize()
-    times = defaultdict(float)
-    kernels = []
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name.split("(")[0].split("<")[0][-40:]] += event.device_time / repeats
-            kernels.append((event.time_range.start, event.time_range.end))
-    if spans is not None and kernels and len(kernels) % repeats == 0:
-        kernels.sort()
-        per_call = len(kernels) // repeats
-        for i in range(0, len(kernels), per_call):
-            spans.append(max(end for _, end in kernels[i:i + per_call]) - kernels[i][0])
-    return times
+    kernels = [(event.time_range.start, event.time_range.end, event.name.split("(")[0].split("<")[0][-40:])
+               for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    return call_kernel_times(kernels, repeats, spans)
 
 
 def per_kernel(repeats: int) -> None:

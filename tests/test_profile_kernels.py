@@ -1,0 +1,22 @@
+"""tools/profile_kernels.py: how per-kernel times are counted from profiler events."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import profile_kernels  # noqa: E402
+
+
+def test_kernel_times_count_from_the_previous_kernels_end():
+    """Under programmatic dependent launch a kernel's span starts while the one
+    before it runs; that overlap belongs to the one before. A gap between two
+    kernels belongs to neither, but shows in the call's span."""
+    events = [(0.0, 10.0, "route"), (4.0, 30.0, "stage1"), (25.0, 40.0, "stage2"), (42.0, 45.0, "convert"),
+              (100.0, 112.0, "route"), (105.0, 128.0, "stage1"), (128.0, 140.0, "stage2"), (140.0, 144.0, "convert")]
+    spans = []
+    times = profile_kernels.call_kernel_times(events[::-1], 2, spans)   # any event order
+    assert times == {"route": 11.0, "stage1": 18.0, "stage2": 11.0, "convert": 3.5}
+    assert spans == [45.0, 44.0]
+
+
+def test_kernel_times_need_whole_calls():
+    assert profile_kernels.call_kernel_times([(0.0, 1.0, "route")], 2) == {}
