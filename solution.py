@@ -255,7 +255,7 @@ __device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* 
 
 // Programmatic dependent launch (sm_90; elsewhere no-ops, and the host
 // launches normally). The host launches each kernel after the first so that
-// it may start while the kernel before it finishes (launch_kernel):
+// it may start while the kernel before it finishes (launch_after_previous):
 // wait_for_previous_kernel then blocks until that kernel has completed and
 // its writes are visible. Every such kernel waits before it reads or writes
 // anything, in every CTA, so a kernel's completion implies its
@@ -1838,8 +1838,8 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     tokens fit in one tile and few of its columns stay empty: an expert
     spilling into a second tile has its weights read and converted again,
     while wide tiles waste MMA work. So 8-token tiles up to 8 tokens per
-    expert, 16 up to 16, on sm_90 32 up to 28 (measured: best at 17.5-26,
-    64-token tiles best at 35). Those narrow tiles take e4m3 warpgroup MMAs
+    expert, 16 up to 16 (20 without wgmma), on sm_90 32 up to 28 (best at
+    17.5-26, 64-token tiles best at 35). Those narrow tiles take e4m3 warpgroup MMAs
     on sm_90, whose fp4 -> e4m3 conversion costs under half the integer work
     of fp4 -> bf16. Beyond them 64-token tiles win: each warp converts its
     weights once for all 64 tokens, and on sm_90 warpgroup MMAs read the
