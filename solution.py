@@ -261,13 +261,16 @@ __device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* 
 // anything, in every CTA, so a kernel's completion implies its
 // predecessors'. let_next_kernel_launch lets the next kernel's CTAs be
 // placed as soon as all of this kernel's CTAs have started.
-__device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(USE_ROCM)
+#define MOE_HAS_DEPENDENT_LAUNCH 1
+#endif
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#ifdef MOE_HAS_DEPENDENT_LAUNCH
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void let_next_kernel_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(USE_ROCM)
+#ifdef MOE_HAS_DEPENDENT_LAUNCH
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
