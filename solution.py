@@ -389,20 +389,22 @@ class KernelConfig(NamedTuple):
     stages: int         # pipeline depth
     wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
     fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8, 16 or 32 tokens)
+    stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (e4m3: 32, two MMA tiles)
 
     def __str__(self):
-        return "%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
+        return ("%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
+                + (f"+{self.stage2_warp_rows}x{self.warp_tokens}" if self.stage2_warp_rows else ""))
 
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
 GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8, 3, False),
                 KernelConfig(64, 16, 64, 4, 4, False), KernelConfig(64, 32, 64, 4, 4, False),
                 KernelConfig(64, 16, 64, 4, 4, True),
-                KernelConfig(8, 16, 8, 8, 4, True, True), KernelConfig(16, 16, 16, 8, 3, True, True),
+                KernelConfig(8, 16, 8, 8, 4, True, True, 32), KernelConfig(16, 16, 16, 8, 3, True, True),
                 KernelConfig(32, 16, 32, 8, 3, True, True))
 GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
     f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
-    f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'})"
+    f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, {(c.stage2_warp_rows or c.warp_rows) // 16})"
     for c in GEMM_CONFIGS) + "\n"
 
 GEMM_SOURCE = r"""
@@ -577,8 +579,9 @@ __device__ __forceinline__ void fence_async_shared() {
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 struct GemmShape {
     static_assert((MT == 1 || MT == 2) && NT % WT == 0 && SB % 4 == 0, "GEMM tiling");
-    static_assert(!WG || (MT == 1 && WT == NT && (FP8 ? NT <= 4 : NT == 8)),
-                  "warpgroup MMAs are built for 16-row warps with 64 (bf16) or 8 to 32 (e4m3) tokens");
+    static_assert(!WG || ((MT == 1 || FP8) && WT == NT && (FP8 ? NT <= 4 : NT == 8)),
+                  "warpgroup MMAs are built for 16-row warps with 64 (bf16) or 8 to 32 (e4m3) tokens, "
+                  "or (e4m3) 32-row warps: two 64-row MMA tiles per warpgroup");
     static_assert(!FP8 || WG, "e4m3 MMAs are warpgroup MMAs");
     static constexpr bool kWgmma = WG, kFp8 = FP8;
     // bf16 warpgroup MMAs may still read a stage after the warps leave it
@@ -590,7 +593,15 @@ struct GemmShape {
     static constexpr int kRowWarps = kRows / kWarpRows;
     static constexpr int kWarps = kRowWarps * (NT / WT);
     static constexpr int kThreads = kWarps * 32;
-    static __device__ __forceinline__ int first_row(int warp) { return (warp % kRowWarps) * kWarpRows; }
+    // A warp's m-tile mt starts at local weight row first_row(warp) + mt *
+    // kMTileStride: a warp's m-tiles are consecutive, but with two per warp
+    // of a warpgroup, warp w holds rows 16w..16w+15 of each of the
+    // warpgroup's two 64-row MMA tiles.
+    static constexpr bool kTwoWarpgroupTiles = WG && MT == 2;
+    static constexpr int kMTileStride = kTwoWarpgroupTiles ? 64 : 16;
+    static __device__ __forceinline__ int first_row(int warp) {
+        return kTwoWarpgroupTiles ? (warp % kRowWarps) / 4 * 128 + warp % 4 * 16 : (warp % kRowWarps) * kWarpRows;
+    }
     static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * WT * 8; }
     // Row strides padded by 16 bytes, so that the eight 16-byte rows an
     // ldmatrix phase reads fall in eight different bank groups.
@@ -647,8 +658,9 @@ struct GemmShape {
     // other. 8-token tiles are capped at 64 registers so that 1024 threads
     // fit per SM, 16-token tiles at 80 (768 threads; 64 would spill).
     // bf16 warpgroup-MMA CTAs are capped at 128 registers so that two fit
-    // per SM; e4m3 ones at 80 (8 tokens; 64 spills) and 128 (16 and 32; 80
-    // spills at 16).
+    // per SM; e4m3 ones at 80 (8 tokens; 64 spills), 170 (8 tokens in
+    // 128-thread CTAs of two 64-row tiles per warpgroup: three CTAs) and 128
+    // (16 and 32; 80 spills at 16).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
                                           : FP8 ? 2 : 1;
@@ -831,7 +843,7 @@ __device__ __forceinline__ void gemm_mainloop(
     auto load_weight_words = [&](uint32_t (&words)[MT][4], const uint8_t* w_s, int bp) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            ldmatrix_x4(words[mt], w_s + (first_row + mt * 16 + (lane & 15)) * S::kWeightStride
+            ldmatrix_x4(words[mt], w_s + (first_row + mt * S::kMTileStride + (lane & 15)) * S::kWeightStride
                                    + (bp + (lane >> 4)) * 16);
     };
     auto load_stage_fragments = [&](int slot) {
@@ -844,7 +856,7 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
                 for (int i = 0; i < SB / 4; ++i)
                     scales[mt][h][i] = *reinterpret_cast<const uint32_t*>(
-                        ws_s + (first_row + mt * 16 + g + 8 * h) * SB + 4 * i);
+                        ws_s + (first_row + mt * S::kMTileStride + g + 8 * h) * SB + 4 * i);
         load_weight_words(w, stage_base(slot) + S::kWeightOffset, 0);
     };
     // A stage's SB blocks, with its scale bytes of rows g and g+8 of each
@@ -936,39 +948,45 @@ __device__ __forceinline__ void gemm_mainloop(
     auto compute_blocks_fp8 = [&](auto wide, const uint8_t* w_s, const uint8_t* a_s, const float* a_scale_s) {
         constexpr bool kWide = decltype(wide)::value;
         const int t = lane & 3;
-        float sums[2][WT][4];   // block b's in sums[b % 2]
-        auto add_block = [&](int block, float (&sum)[WT][4]) {
+        float sums[2][MT][WT][4];   // block b's in sums[b % 2]
+        auto add_block = [&](int block, float (&sum)[MT][WT][4]) {
             float act_factor[WT][2];   // tokens 2t and 2t+1 of each n-tile
 #pragma unroll
             for (int nt = 0; nt < WT; ++nt)
 #pragma unroll
                 for (int j = 0; j < 2; ++j) act_factor[nt][j] = a_scale_s[(nt * 8 + 2 * t + j) * SB + block];
-            float weight_factor[2];
-            uint32_t weight_byte[2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint32_t s4 = scales[0][h][block / 4];
-                weight_byte[h] = (s4 >> (8 * (block % 4))) & 0xFFu;
-                if (!kWide)   // 2^(s - 115): exponent field s + 12
-                    weight_factor[h] = bits_to_float(byte_perm(s4 + 0x0C0C0C0Cu, 0u, 0x4044u | (block % 4) << 8) << 7);
-            }
+            for (int mt = 0; mt < MT; ++mt) {
+                float weight_factor[2];
+                uint32_t weight_byte[2];
 #pragma unroll
-            for (int nt = 0; nt < WT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    pin_register(sum[nt][i]);
-                    if (!kWide) {
-                        acc[0][nt][i] = fmaf(sum[nt][i] * weight_factor[i >> 1], act_factor[nt][i & 1], acc[0][nt][i]);
-                    } else {
-                        // act_factor = 2^(field - 127), 2^-127 having field 0 too.
-                        const int c = (int)weight_byte[i >> 1] + (int)(float_to_bits(act_factor[nt][i & 1]) >> 23) - 242;
-                        const int c1 = min(max(c, -126), 127), c2 = min(c - c1, 127);
-                        const float f1 = weight_byte[i >> 1] == 255u ? __int_as_float(0x7FC00000)
-                                                                     : bits_to_float((uint32_t)(c1 + 127) << 23);
-                        acc[0][nt][i] = fmaf(sum[nt][i] * f1, bits_to_float((uint32_t)(c2 + 127) << 23),
-                                             acc[0][nt][i]);
-                    }
+                for (int h = 0; h < 2; ++h) {
+                    const uint32_t s4 = scales[mt][h][block / 4];
+                    weight_byte[h] = (s4 >> (8 * (block % 4))) & 0xFFu;
+                    if (!kWide)   // 2^(s - 115): exponent field s + 12
+                        weight_factor[h] = bits_to_float(byte_perm(s4 + 0x0C0C0C0Cu, 0u, 0x4044u | (block % 4) << 8)
+                                                         << 7);
                 }
+#pragma unroll
+                for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        pin_register(sum[mt][nt][i]);
+                        if (!kWide) {
+                            acc[mt][nt][i] = fmaf(sum[mt][nt][i] * weight_factor[i >> 1], act_factor[nt][i & 1],
+                                                  acc[mt][nt][i]);
+                        } else {
+                            // act_factor = 2^(field - 127), 2^-127 having field 0 too.
+                            const int c = (int)weight_byte[i >> 1] + (int)(float_to_bits(act_factor[nt][i & 1]) >> 23)
+                                        - 242;
+                            const int c1 = min(max(c, -126), 127), c2 = min(c - c1, 127);
+                            const float f1 = weight_byte[i >> 1] == 255u ? __int_as_float(0x7FC00000)
+                                                                         : bits_to_float((uint32_t)(c1 + 127) << 23);
+                            acc[mt][nt][i] = fmaf(sum[mt][nt][i] * f1, bits_to_float((uint32_t)(c2 + 127) << 23),
+                                                  acc[mt][nt][i]);
+                        }
+                    }
+            }
         };
 #pragma unroll
         for (int bp = 0; bp < SB; bp += 2) {
@@ -977,11 +995,14 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int block = bp + q;
-                // Rows g and g+8: even values of both, then odd values of both.
-                const uint32_t a[4] = {fp4_even_to_e4m3(w[0][2 * q]), fp4_even_to_e4m3(w[0][2 * q + 1]),
-                                       fp4_odd_to_e4m3(w[0][2 * q]), fp4_odd_to_e4m3(w[0][2 * q + 1])};
                 wgmma_fence();
-                wgmma_e4m3<WT>(sums[q], a, wgmma_descriptor(a_s + S::act_offset(0, 2 * block)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    // Rows g and g+8: even values of both, then odd values of both.
+                    const uint32_t a[4] = {fp4_even_to_e4m3(w[mt][2 * q]), fp4_even_to_e4m3(w[mt][2 * q + 1]),
+                                           fp4_odd_to_e4m3(w[mt][2 * q]), fp4_odd_to_e4m3(w[mt][2 * q + 1])};
+                    wgmma_e4m3<WT>(sums[q][mt], a, wgmma_descriptor(a_s + S::act_offset(0, 2 * block)));
+                }
                 wgmma_commit();
                 if (block > 0) {
                     wgmma_wait<1>();
@@ -990,7 +1011,9 @@ __device__ __forceinline__ void gemm_mainloop(
             }
             if (bp + 2 < SB)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) w[0][i] = next[0][i];
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) w[mt][i] = next[mt][i];
         }
         wgmma_wait<0>();
         add_block(SB - 1, sums[1]);
@@ -1245,7 +1268,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                 for (int j = 0; j < 2; ++j) {
                     const int token = first_token + nt * 8 + 2 * t + j;
                     if (token < tile.rows)
-                        out[(size_t)(tile.row_start + token) * d_expert_pad + col0 + (first_row / 16 + mt) * 8 + g] =
+                        out[(size_t)(tile.row_start + token) * d_expert_pad + col0 + (first_row / 16 + mt * (S::kMTileStride / 16)) * 8 + g] =
                             make_float2(acc[mt][nt][j], acc[mt][nt][2 + j]);
                 }
         return;
@@ -1259,7 +1282,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         for (int nt = 0; nt < WT; ++nt)
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                const int local_col = (first_row / 16 + mt) * 8 + g;
+                const int local_col = (first_row / 16 + mt * (S::kMTileStride / 16)) * 8 + g;
                 const int token = first_token + nt * 8 + 2 * t + j;
                 h[token * kStage1HStride + local_col] =
                     col0 + local_col < d_expert ? swiglu_bf16(acc[mt][nt][j], acc[mt][nt][2 + j]) : 0.0f;
@@ -1374,7 +1397,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
 #pragma unroll
                 for (int i = 0; i < 4; ++i)
                     y[(first_token + nt * 8 + 2 * t + (i & 1)) * kStage2YStride
-                      + first_row + mt * 16 + g + (i >> 1) * 8] = acc[mt][nt][i];
+                      + first_row + mt * S::kMTileStride + g + (i >> 1) * 8] = acc[mt][nt][i];
         __syncthreads();
         for (int item = tid; item < tile.rows * (kRows / 4); item += S::kThreads) {
             const int token = item / (kRows / 4), quad = item % (kRows / 4);
@@ -1425,11 +1448,11 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 
 // Explicit instantiations, so that a plain nvcc compile of this source (the
 // CI build check) produces and reports every kernel.
-#define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8)                                                    \
+#define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
         int, uint8_t*, float*, float2*, int);                                                             \
-    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
+    template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
         int, int, int, int, int, float*);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
@@ -1593,7 +1616,7 @@ int stage2_row_tiles(Kernel kernel, SharedBytes shared_bytes_of, int num_pairs, 
     return 1;
 }
 
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, int MT2>
 void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_experts, int requested_splits,
                   int requested_row_tiles,
                   const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
@@ -1601,27 +1624,28 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
                   const int* sorted_tokens, const float* sorted_weights, const int* expert_offsets,
                   const int2* tiles, const int* num_tiles, int d_hidden, int d_hidden_pad, int d_expert,
                   int d_expert_pad, const Activations& inter, torch::Tensor& accumulator) {
-    using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
+    using S1 = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
+    using S2 = GemmShape<NT, MT2, WT, SB, STAGES, WG, FP8>;
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
-    const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
+    const auto stage2 = stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>;
     const int k_blocks1 = (d_hidden + kScaleBlock - 1) / kScaleBlock;
     const int k_blocks2 = (d_expert + kScaleBlock - 1) / kScaleBlock;
     auto shared_bytes1 = [](int k_blocks) {
-        return S::shared_bytes(k_blocks, S::kTokens * kStage1HStride * (int)sizeof(float), 1, S::kStages);
+        return S1::shared_bytes(k_blocks, S1::kTokens * kStage1HStride * (int)sizeof(float), 1, S1::kStages);
     };
     auto shared_bytes2 = [k_blocks2](int row_tiles) {
-        return S::shared_bytes(k_blocks2, kStage2EpilogueBytes<S>, row_tiles, kStage2Ring<S>);
+        return S2::shared_bytes(k_blocks2, kStage2EpilogueBytes<S2>, row_tiles, kStage2Ring<S2>);
     };
-    const int all_stages = S::kStageBlocks * S::kStages;
+    const int all_stages = SB * STAGES;
     allow_shared_memory(stage1, shared_bytes1(all_stages));
-    allow_shared_memory(stage2, S::shared_bytes(all_stages, kStage2EpilogueBytes<S>, S::kRowTiles ? 2 : 1,
-                                                kStage2Ring<S>));   // the most of any launch
+    allow_shared_memory(stage2, S2::shared_bytes(all_stages, kStage2EpilogueBytes<S2>, S2::kRowTiles ? 2 : 1,
+                                                 kStage2Ring<S2>));   // the most of any launch
 
     const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
     int splits = requested_splits > 0 ? requested_splits
-        : stage1_splits<S>(stage1, shared_bytes1(k_blocks1), columns1, num_pairs, n_experts, k_blocks1);
+        : stage1_splits<S1>(stage1, shared_bytes1(k_blocks1), columns1, num_pairs, n_experts, k_blocks1);
     // Whole stages per slice; rounding up may leave fewer, fuller slices.
     const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
     splits = (k_blocks1 + split_blocks - 1) / split_blocks;
@@ -1629,7 +1653,7 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
     float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
     const int smem1 = shared_bytes1(std::min(split_blocks, k_blocks1));
-    launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S::kThreads, smem1, stream,
+    launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S1::kThreads, smem1, stream,
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
         act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
@@ -1641,11 +1665,11 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
             inter.scales());
 
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
-    const int row_tiles = !S::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
-        : stage2_row_tiles<S>(stage2, shared_bytes2, num_pairs, n_experts, grid_rows));
+    const int row_tiles = !S2::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
+        : stage2_row_tiles<S2>(stage2, shared_bytes2, num_pairs, n_experts, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(row_tiles);
-    launch_after_previous(stage2, grid2, S::kThreads, smem2, stream,
+    launch_after_previous(stage2, grid2, S2::kThreads, smem2, stream,
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
@@ -1665,17 +1689,19 @@ torch::Tensor moe_forward(
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
         int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
-        int64_t stage1_splits, int64_t stage2_row_tiles) {
+        int64_t stage2_warp_rows, int64_t stage1_splits, int64_t stage2_row_tiles) {
     using namespace moe;
-#define MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
-    warp_tokens == 8 * WT && stage_blocks == SB && stages == STAGES && wgmma == WG && fp8 == FP8)
+    const int64_t warp_rows2 = stage2_warp_rows > 0 ? stage2_warp_rows : warp_rows;
+#define MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
+    warp_tokens == 8 * WT && stage_blocks == SB && stages == STAGES && wgmma == WG && fp8 == FP8 &&  \
+    warp_rows2 == 16 * MT2)
     bool known = false;
-#define MOE_KNOWN(NT, MT, WT, SB, STAGES, WG, FP8) known |= MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8);
+#define MOE_KNOWN(NT, MT, WT, SB, STAGES, WG, FP8, MT2) known |= MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2);
     MOE_GEMM_CONFIGS(MOE_KNOWN)
 #undef MOE_KNOWN
     TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens, ", warp_rows=", warp_rows,
                 ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages,
-                ", wgmma=", wgmma, ", fp8=", fp8);
+                ", wgmma=", wgmma, ", fp8=", fp8, ", stage2_warp_rows=", stage2_warp_rows);
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -1711,10 +1737,10 @@ torch::Tensor moe_forward(
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
-#define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG, FP8)                                                                \
-    if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8))                                                                   \
-        launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8>(stream, max_tiles, num_pairs, n_experts, (int)stage1_splits, \
-            (int)stage2_row_tiles,                                                                            \
+#define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                                           \
+    if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2))                                                              \
+        launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8, MT2>(stream, max_tiles, num_pairs, n_experts,              \
+            (int)stage1_splits, (int)stage2_row_tiles,                                                        \
             gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_tokens, sorted_weights,      \
             expert_offsets, tiles, num_tiles, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,  \
             accumulator);
@@ -1735,7 +1761,7 @@ torch::Tensor moe_forward(
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
     int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
-    int64_t stage1_splits, int64_t stage2_row_tiles);
+    int64_t stage2_warp_rows, int64_t stage1_splits, int64_t stage2_row_tiles);
 """
 
 # ===========================================================================
@@ -1844,12 +1870,14 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     expert, 16 up to 16 (20 without wgmma), on sm_90 32 up to 28 (best at
     17.5-26, 64-token tiles best at 35). Those narrow tiles take e4m3 warpgroup MMAs
     on sm_90, whose fp4 -> e4m3 conversion costs under half the integer work
-    of fp4 -> bf16. Beyond them 64-token tiles win: each warp converts its
-    weights once for all 64 tokens, and on sm_90 warpgroup MMAs read the
-    tokens from shared memory without ldmatrix."""
+    of fp4 -> bf16; with 8-token tiles, stage 2's warpgroups each cover two
+    64-row MMA tiles (fewer instructions per weight: its stage 2 is
+    issue-bound, while its stage 1 was slower so). Beyond them 64-token tiles
+    win: each warp converts its weights once for all 64 tokens, and on sm_90
+    warpgroup MMAs read the tokens from shared memory without ldmatrix."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
-        return KernelConfig(8, 16, 8, 8, 4, wgmma, wgmma)
+        return KernelConfig(8, 16, 8, 8, 4, True, True, 32) if wgmma else KernelConfig(8, 16, 8, 8, 4, False)
     if wgmma and 16 < tokens_per_expert <= 28:
         return KernelConfig(32, 16, 32, 8, 3, True, True)
     if tokens_per_expert <= 20:

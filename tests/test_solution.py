@@ -95,8 +95,8 @@ def test_wrong_tuple_is_refused():
 
 
 @pytest.mark.parametrize("m, top_k, experts, d_expert, expected", [   # the measured best on the H200 (BENCHMARKS.md)
-    (16, 9, 257, 256, (8, 16, 8, 8, 4, True, True)), (128, 9, 257, 256, (8, 16, 8, 8, 4, True, True)),
-    (512, 9, 257, 256, (32, 16, 32, 8, 3, True, True)), (16, 9, 33, 512, (8, 16, 8, 8, 4, True, True)),
+    (16, 9, 257, 256, (8, 16, 8, 8, 4, True, True, 32)), (128, 9, 257, 256, (8, 16, 8, 8, 4, True, True, 32)),
+    (512, 9, 257, 256, (32, 16, 32, 8, 3, True, True)), (16, 9, 33, 512, (8, 16, 8, 8, 4, True, True, 32)),
     (128, 9, 33, 512, (64, 16, 64, 4, 4, True, False)), (512, 9, 33, 512, (64, 16, 64, 4, 4, True, False)),
     (512, 9, 33, 2048, (64, 16, 64, 4, 4, True, False)),
     # measured off the benchmark shapes, near where the chooser switches tiles
@@ -104,7 +104,7 @@ def test_wrong_tuple_is_refused():
     (96, 9, 33, 512, (32, 16, 32, 8, 3, True, True))])
 def test_config_chooser_picks_the_measured_best(m, top_k, experts, d_expert, expected):
     config = solution.choose_config(m, top_k, experts, d_expert, wgmma=True)
-    assert tuple(config) == expected and config in solution.GEMM_CONFIGS
+    assert config == solution.KernelConfig(*expected) and config in solution.GEMM_CONFIGS
 
 
 @pytest.mark.parametrize("m, experts, d_expert", [(16, 257, 256), (512, 33, 512), (512, 33, 2048), (4096, 8, 1024)])
