@@ -12,7 +12,9 @@
     python tools/profile_kernels.py --once N    benchmark shape N (0-6, or all) called twice, for ncu
                                                 and compute-sanitizer:
         ncu -k regex:stage1 -s 5 -c 1 --set full python tools/profile_kernels.py --once 0
-    python tools/profile_kernels.py --save FILE  the benchmark and test shapes' inputs, to FILE
+    python tools/profile_kernels.py --save FILE [N ...]
+                                                the benchmark shapes' inputs (all, or those numbered
+                                                N, 0-6) and the test shapes', to FILE
     python tools/profile_kernels.py --load FILE  each input in FILE called once: no other kernels run
         (racecheck fails inside cuBLAS, which the input generator uses, so it runs on saved inputs)
 
@@ -143,8 +145,8 @@ def once(which: str) -> None:
         print(label, "done", flush=True)
 
 
-def save(path: str) -> None:
-    cases = [(label, data) for label, data in benchmark_inputs()]
+def save(path: str, which: list[int]) -> None:
+    cases = list(benchmark_inputs([solution.BENCHMARK_SHAPES[i] for i in which]))
     with open(os.path.join(os.path.dirname(__file__), "..", "specs", "tests.txt")) as f:
         cases += [(case.spec, reference.generate_input(**case.args)) for case in harness.parse_specs(f.read())]
     torch.save(cases, path)
@@ -163,7 +165,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["--once"]:
         once(sys.argv[2])
     elif sys.argv[1:2] == ["--save"]:
-        save(sys.argv[2])
+        save(sys.argv[2], [int(n) for n in sys.argv[3:]])
     elif sys.argv[1:2] == ["--load"]:
         load(sys.argv[2])
     else:
