@@ -166,6 +166,13 @@ MOE_HD bool any_scale_above(uint32_t four_scales, uint32_t limit) {
     return (four_scales & 0xFFu) > limit || (four_scales >> 8 & 0xFFu) > limit
         || (four_scales >> 16 & 0xFFu) > limit || four_scales >> 24 > limit;
 }
+// Bit 7 of byte k set when byte k of four_scales is above limit (128 <= limit
+// < 255), other bits of a byte are noise: its low 7 bits plus 255 - limit carry
+// into bit 7 (never beyond) exactly when they exceed limit - 128. Three
+// instructions, so that a warp can vote on all of a stage's scales.
+MOE_HD uint32_t scale_bytes_above(uint32_t four_scales, uint32_t limit) {
+    return ((four_scales & 0x7F7F7F7Fu) + (255u - limit) * 0x01010101u) & four_scales;
+}
 
 // Activations are stored as bf16 (Qa's values, exact), each 32-value block
 // permuted so that the MMA's B fragments pair with the weight pairs above:
@@ -566,6 +573,40 @@ __device__ __forceinline__ void fence_async_shared() {
 #endif
 }
 
+// Shared-memory mbarriers (sm_90; the e4m3 configs' stage-1 pipeline).
+// cp_async_arrive: an arrival once all of this thread's cp.asyncs issued so
+// far have landed, counted in the barrier's expected arrivals (.noinc).
+__device__ __forceinline__ void mbarrier_init(uint64_t* barrier, int arrivals) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(barrier)), "r"(arrivals) : "memory");
+#endif
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(barrier)) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_arrive(uint64_t* barrier) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(barrier)) : "memory");
+#endif
+}
+// Until the barrier's phase of the given parity has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, int parity) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("{\n.reg .pred done;\nwait_%=:\n"
+                 "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait_%=;\n}\n" :: "r"(smem_addr(barrier)), "r"(parity) : "memory");
+#else
+    __trap();
+#endif
+}
+
 // A GEMM CTA: kRows weight rows x NT*8 tokens, its K streamed through a
 // cp.async pipeline of STAGES stages of SB scale blocks each. Each warp
 // computes MT m16 tiles of weight rows times WT n8 tiles of tokens: warps
@@ -713,7 +754,7 @@ struct GemmShape {
 // wait for their only stages with nothing in flight). After each tile but
 // the last, tile_done(acc, i) takes the accumulators, which then restart at
 // zero; the last tile's are left in acc. mma.sync configs only (kRowTiles).
-template <typename S, int kRing, typename WeightRowOf, typename ActRowOf, typename TileDone>
+template <typename S, int kRing, bool kMbarriers, typename WeightRowOf, typename ActRowOf, typename TileDone>
 __device__ __forceinline__ void gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
@@ -1038,47 +1079,96 @@ __device__ __forceinline__ void gemm_mainloop(
 
     // A cp.async pipeline over a ring of kRing slots (stage 1: kStages;
     // stage 2: kStage2Ring), kAhead stages loading while one is computed.
-    // The slot refilled after the barrier of stage s is that of stage
-    // s + kAhead - kRing. mma.sync and e4m3 warpgroup MMAs finished with it
-    // before the barrier (kAhead = kRing - 1: the previous stage). bf16
-    // warpgroup MMAs are left running: they refill the stage before the
-    // previous one (kAhead = kRing - 2), which each warp's first
-    // wgmma_wait<1> of stage s - 1 has seen complete, so the tensor cores
-    // never drain at a stage's end. When K has fewer stages than kRing, the
-    // prologue loads all of them and no slot beyond n_stages is touched, so
-    // shared_bytes() may allocate just n_stages slots.
+    // With a CTA barrier per stage, the slot refilled after the barrier of
+    // stage s is that of stage s + kAhead - kRing. mma.sync and e4m3
+    // warpgroup MMAs finished with it before the barrier (kAhead = kRing -
+    // 1: the previous stage). bf16 warpgroup MMAs are left running: they
+    // refill the stage before the previous one (kAhead = kRing - 2), which
+    // each warp's first wgmma_wait<1> of stage s - 1 has seen complete, so
+    // the tensor cores never drain at a stage's end.
+    // kMbarriers (e4m3 stage 1 of 4 or more stages): no CTA barrier. A
+    // slot's "full" barrier completes when every thread's copies into it have
+    // landed, its "empty" barrier when every thread has computed it; a thread
+    // refills a slot after its empty barrier, so with kAhead = kRing - 2 warps
+    // may drift a stage apart instead of meeting at every stage.
+    // When K has fewer stages than kRing, the prologue loads all of them and
+    // no slot beyond n_stages is touched, so shared_bytes() may allocate just
+    // n_stages slots.
     static_assert(kRing <= S::kStages, "pipeline ring");
-    constexpr int kAhead = S::kAsyncStages ? kRing - 2 : kRing - 1;
+    static_assert(!kMbarriers || (S::kFp8 && kRing > 2), "mbarrier pipeline: e4m3 configs, 3 or more slots");
+    constexpr int kAhead = S::kAsyncStages || kMbarriers ? kRing - 2 : kRing - 1;
     static_assert(kAhead >= 1, "pipeline depth");
+    __shared__ uint64_t full[kMbarriers ? kRing : 1], empty[kMbarriers ? kRing : 1];
+    if constexpr (kMbarriers) {
+        if (tid == 0)
+            for (int j = 0; j < kRing; ++j) {
+                mbarrier_init(&full[j], S::kThreads);
+                mbarrier_init(&empty[j], S::kThreads);
+            }
+        fence_mbarrier_init();
+        __syncthreads();
+    }
 #pragma unroll 1   // unrolled, it pushed stage-2 kernels at their register caps into spills
     for (int s = 0; s < kAhead; ++s) {
-        if (s < n_stages) load_stage(s);
-        cp_async_commit();
+        if constexpr (kMbarriers) {
+            if (s < n_stages) {
+                load_stage(s);
+                cp_async_arrive(&full[s]);
+            }
+        } else {
+            if (s < n_stages) load_stage(s);
+            cp_async_commit();
+        }
     }
     int tile = 0, stage_in_tile = 0;
     for (int s = 0; s < n_stages; ++s) {
-        cp_async_wait<kAhead - 1>();
+        if constexpr (kMbarriers)
+            mbarrier_wait(&full[s % kRing], (s / kRing) & 1);
+        else
+            cp_async_wait<kAhead - 1>();
         if constexpr (S::kWgmma) fence_async_shared();
         // Whether any of the stage's weight scales is above 128 (FP8:
-        // kFp8NarrowScale): the slower exact path. Thread r < kRows
-        // copied row r's scales, so it may read them before the barrier, which
-        // ORs the answers: the whole CTA takes one path (a warpgroup's MMAs
-        // must be the same instructions in all of its warps).
+        // kFp8NarrowScale): the slower exact path. The whole CTA takes one
+        // path (a warpgroup's MMAs must be the same instructions in all of its
+        // warps). With a CTA barrier, thread r < kRows copied row r's scales,
+        // so it may read them before the barrier, which ORs the answers; with
+        // mbarriers, every warp reads all of the stage's scales.
         bool wide = false;
-        if (tid < kRows)
+        if constexpr (kMbarriers) {
+            static_assert(S::kScaleOffset % 16 == 0 && kRows * SB % 16 == 0, "scale vote: 16-byte reads");
+            const uint4* scales_s = reinterpret_cast<const uint4*>(stage_base(s % kRing) + S::kScaleOffset);
+            uint32_t above = 0;
 #pragma unroll
-            for (int i = 0; i < SB / 4; ++i)
-            {
-                const uint32_t four_scales = *reinterpret_cast<const uint32_t*>(
-                    stage_base(s % kRing) + S::kScaleOffset + tid * SB + 4 * i);
-                wide |= any_scale_above(four_scales, S::kFp8 ? kFp8NarrowScale : 128u);
+            for (int i = lane; i < kRows * SB / 16; i += 32) {
+                const uint4 q = scales_s[i];
+                above |= scale_bytes_above(q.x, kFp8NarrowScale) | scale_bytes_above(q.y, kFp8NarrowScale)
+                       | scale_bytes_above(q.z, kFp8NarrowScale) | scale_bytes_above(q.w, kFp8NarrowScale);
             }
-        wide = __syncthreads_or(wide);
+            wide = __any_sync(0xFFFFFFFFu, (above & 0x80808080u) != 0);
+        } else {
+            if (tid < kRows)
+#pragma unroll
+                for (int i = 0; i < SB / 4; ++i) {
+                    const uint32_t four_scales = *reinterpret_cast<const uint32_t*>(
+                        stage_base(s % kRing) + S::kScaleOffset + tid * SB + 4 * i);
+                    wide |= any_scale_above(four_scales, S::kFp8 ? kFp8NarrowScale : 128u);
+                }
+            wide = __syncthreads_or(wide);
+        }
         load_stage_fragments(s % kRing);
         const int next = s + kAhead;
-        if (next < n_stages) load_stage(next % kRing);
-        cp_async_commit();
+        if constexpr (kMbarriers) {
+            if (next < n_stages) {
+                if (next >= kRing) mbarrier_wait(&empty[next % kRing], (next / kRing - 1) & 1);
+                load_stage(next % kRing);
+                cp_async_arrive(&full[next % kRing]);
+            }
+        } else {
+            if (next < n_stages) load_stage(next % kRing);
+            cp_async_commit();
+        }
         compute_stage(s % kRing, wide);
+        if constexpr (kMbarriers) mbarrier_arrive(&empty[s % kRing]);   // compute_blocks_fp8 waited for its MMAs
         if constexpr (S::kRowTiles)
             if (++stage_in_tile == tile_stages && s + 1 < n_stages) {   // a row tile done, and more to come
                 tile_done(acc, tile++);
@@ -1251,9 +1341,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     auto token_of = [&](int i) { return i < tile.rows ? sorted_tokens[tile.row_start + i] : -1; };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S, S::kStages>(acc, smem, weight, scale, weight_row_of,
-                                 act + first_block * kScaleBlock * S::kActValueBytes, act_scale + first_block,
-                                 token_of, d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
+    gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4>(
+        acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
+        act_scale + first_block, token_of, d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
 
     // Accumulators 0, 1: row g (gate), tokens 2t, 2t+1; 2, 3: row g+8 (up).
     const int g = lane >> 2, t = lane & 3;
@@ -1412,8 +1502,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S, kStage2Ring<S>>(acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of,
-                                       d_expert_pad, k_blocks, cta_tiles, kRows, add_tile);
+    gemm_mainloop<S, kStage2Ring<S>, false>(acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of,
+                                            d_expert_pad, k_blocks, cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
 }
 
