@@ -1153,7 +1153,11 @@ __device__ __forceinline__ void gemm_mainloop(
                         stage_base(s % kRing) + S::kScaleOffset + tid * SB + 4 * i);
                     wide |= any_scale_above(four_scales, S::kFp8 ? kFp8NarrowScale : 128u);
                 }
-            wide = __syncthreads_or(wide);
+            // __any_sync of the CTA-wide answer: ptxas then knows the
+            // branch on it is warp-uniform. Otherwise, with two m64 tiles
+            // per warpgroup, it serialises every wgmma of the kernel
+            // (ptxas C7520).
+            wide = __any_sync(0xFFFFFFFFu, __syncthreads_or(wide));
         }
         load_stage_fragments(s % kRing);
         const int next = s + kAhead;
