@@ -20,3 +20,17 @@ def test_kernel_times_count_from_the_previous_kernels_end():
 
 def test_kernel_times_need_whole_calls():
     assert profile_kernels.call_kernel_times([(0.0, 1.0, "route")], 2) == {}
+
+
+def test_once_runs_the_named_solution_file(tmp_path, monkeypatch, capsys):
+    """--once N FILE calls FILE's custom_kernel, not this checkout's (ncu's
+    counters of two versions in one device call)."""
+    calls = tmp_path / "calls.txt"
+    other = tmp_path / "other_solution.py"
+    other.write_text(f"def custom_kernel(data):\n    open({str(calls)!r}, 'a').write(f'{{data}} ')\n")
+    monkeypatch.setattr(profile_kernels, "benchmark_inputs", lambda: iter([("a", 1), ("b", 2)]))
+    monkeypatch.setattr(profile_kernels.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(profile_kernels.solution, "custom_kernel", lambda data: calls.write_text("checkout's"))
+    profile_kernels.once("1", str(other))
+    assert calls.read_text() == "2 2 "
+    assert capsys.readouterr().out == "b done\n"

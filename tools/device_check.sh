@@ -8,7 +8,8 @@
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py, calls interleaved in one process (tools/ab_bench.py; not part of "all");
 #    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
-#    (indices 0-6, default "0 4 5"): throughputs, tensor pipes, issue, stall reasons;
+#    (indices 0-6, default "0 4 5"): throughputs, tensor pipes, issue, stall reasons; with
+#    NCU_BASE=FILE (e.g. .ab/base.py, carried) the same counters of that solution.py follow;
 #    stalls = ncu's warp-stall samples per SASS instruction of stage 1 on the first
 #    shape in $NCU_SHAPES, as $OUT/stalls.csv (neither is part of "all");
 #    robust = four processes building at once on an empty cache, then compute-sanitizer
@@ -93,16 +94,24 @@ if asked sweep; then
   step "config sweep"
   python3 tools/profile_kernels.py --sweep 2>"$OUT/sweep.err" | tee "$OUT/sweep.log" || status=1
 fi
-if asked ncu; then   # not part of "all": about a minute per shape
-  for shape in ${NCU_SHAPES:-0 4 5}; do
-    step "ncu, benchmark shape $shape: stage 1 and stage 2 of the second call"
+if asked ncu; then   # not part of "all": about a minute per shape and version
+  ncu_counters() {   # log file, then profile_kernels.py's --once arguments
+    local log=$1; shift
     # --once calls the shape twice; skip the first call's two stage kernels.
     ncu --clock-control none -k regex:"stage[12]_kernel" -s 2 -c 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
       --metrics dram__bytes_read.sum.per_second,lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum,sm__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
-      python3 tools/profile_kernels.py --once "$shape" >"$OUT/ncu_$shape.log" 2>&1 || status=1
-    grep -E "stage[12]_kernel|Duration|Throughput|Registers|Achieved Occupancy|Waves Per SM|Issue Slots Busy|Eligible Warps|dram__|lts__|sm__inst|pipe_tensor|stalled" "$OUT/ncu_$shape.log" \
+      python3 tools/profile_kernels.py --once "$@" >"$log" 2>&1 || status=1
+    grep -E "stage[12]_kernel|Duration|Throughput|Registers|Achieved Occupancy|Waves Per SM|Issue Slots Busy|Eligible Warps|dram__|lts__|sm__inst|pipe_tensor|stalled" "$log" \
       | grep -v -E " 0(\.0+)?$|  0,0" | sed 's/^ *//' | awk '{$1=$1; print}' | grep -v -E "ratio +0\.0[0-9]?$"
+  }
+  for shape in ${NCU_SHAPES:-0 4 5}; do
+    step "ncu, benchmark shape $shape: stage 1 and stage 2 of the second call"
+    ncu_counters "$OUT/ncu_$shape.log" "$shape"
+    if [ -n "${NCU_BASE:-}" ]; then
+      step "ncu, benchmark shape $shape, $NCU_BASE"
+      ncu_counters "$OUT/ncu_base_$shape.log" "$shape" "$NCU_BASE"
+    fi
   done
 fi
 if asked stalls; then

@@ -9,8 +9,10 @@
                                                 benchmark shapes or the shapes given (d_hidden 7168,
                                                 top-8 routed + 1 shared expert, seed 1), e.g. 384:256:256
                                                 to find where the chooser should switch configs
-    python tools/profile_kernels.py --once N    benchmark shape N (0-6, or all) called twice, for ncu
-                                                and compute-sanitizer:
+    python tools/profile_kernels.py --once N [SOLUTION.py]
+                                                benchmark shape N (0-6, or all) called twice, by this
+                                                checkout's solution.py or the one named, for ncu and
+                                                compute-sanitizer:
         ncu -k regex:stage1 -s 5 -c 1 --set full python tools/profile_kernels.py --once 0
     python tools/profile_kernels.py --save FILE [N ...]
                                                 the benchmark shapes' inputs (all, or those numbered
@@ -22,6 +24,7 @@ The per-kernel view runs each shape under torch.profiler. The sweep times
 every tile_tokens for every shape (median of event-timed calls after an L2
 flush, as eval.py times), to check the config chooser against measurements.
 """
+import importlib.util
 import os
 import sys
 from collections import defaultdict
@@ -136,11 +139,16 @@ def sweep(shapes=None) -> None:
     print("\n".join(stage_rows))
 
 
-def once(which: str) -> None:
+def once(which: str, solution_path: str = None) -> None:
+    version = solution
+    if solution_path:   # another version of solution.py, e.g. a commit's, to compare counters with
+        spec = importlib.util.spec_from_file_location("other_solution", solution_path)
+        version = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(version)
     shapes = list(benchmark_inputs())
     for label, data in shapes if which == "all" else [shapes[int(which)]]:
         for _ in range(2):
-            solution.custom_kernel(data)
+            version.custom_kernel(data)
         torch.cuda.synchronize()
         print(label, "done", flush=True)
 
@@ -163,7 +171,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--sweep"]:
         sweep([tuple(map(int, shape.split(":"))) + (1, None) for shape in sys.argv[2:]])
     elif sys.argv[1:2] == ["--once"]:
-        once(sys.argv[2])
+        once(*sys.argv[2:4])
     elif sys.argv[1:2] == ["--save"]:
         save(sys.argv[2], [int(n) for n in sys.argv[3:]])
     elif sys.argv[1:2] == ["--load"]:
