@@ -1362,7 +1362,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                 for (int j = 0; j < 2; ++j) {
                     const int token = first_token + nt * 8 + 2 * t + j;
                     if (token < tile.rows)
-                        out[(size_t)(tile.row_start + token) * d_expert_pad + col0 + (first_row / 16 + mt * (S::kMTileStride / 16)) * 8 + g] =
+                        out[(size_t)(tile.row_start + token) * d_expert_pad + col0
+                            + (first_row / 16 + mt * (S::kMTileStride / 16)) * 8 + g] =
                             make_float2(acc[mt][nt][j], acc[mt][nt][2 + j]);
                 }
         return;
@@ -1729,13 +1730,12 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     auto shared_bytes1 = [](int k_blocks) {
         return S1::shared_bytes(k_blocks, S1::kTokens * kStage1HStride * (int)sizeof(float), 1, S1::kStages);
     };
-    auto shared_bytes2 = [k_blocks2](int row_tiles) {
-        return S2::shared_bytes(k_blocks2, kStage2EpilogueBytes<S2>, row_tiles, kStage2Ring<S2>);
+    auto shared_bytes2 = [](int k_blocks, int row_tiles) {
+        return S2::shared_bytes(k_blocks, kStage2EpilogueBytes<S2>, row_tiles, kStage2Ring<S2>);
     };
-    const int all_stages = SB * STAGES;
+    const int all_stages = SB * STAGES;   // the most of any launch: K fills every slot
     allow_shared_memory(stage1, shared_bytes1(all_stages));
-    allow_shared_memory(stage2, S2::shared_bytes(all_stages, kStage2EpilogueBytes<S2>, S2::kRowTiles ? 2 : 1,
-                                                 kStage2Ring<S2>));   // the most of any launch
+    allow_shared_memory(stage2, shared_bytes2(all_stages, S2::kRowTiles ? 2 : 1));
 
     const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
     int splits = requested_splits > 0 ? requested_splits
@@ -1760,9 +1760,10 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
 
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
     const int row_tiles = !S2::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
-        : stage2_row_tiles<S2>(stage2, shared_bytes2, num_pairs, n_experts, grid_rows));
+        : stage2_row_tiles<S2>(stage2, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
+                               num_pairs, n_experts, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
-    const int smem2 = shared_bytes2(row_tiles);
+    const int smem2 = shared_bytes2(k_blocks2, row_tiles);
     launch_after_previous(stage2, grid2, S2::kThreads, smem2, stream,
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
