@@ -565,6 +565,7 @@ def test_weight_multipliers_make_every_scale_exactly(helpers):
 def test_scales_above_128_are_detected(helpers):
     rng = random.Random(5)
     words = [sum(rng.choice([0, 1, 127, 128, 129, 200, 255]) << (8 * i) for i in range(4)) for _ in range(500)]
+    words += [byte << (8 * i) | 0x80 << (8 * ((i + 1) % 4)) for byte in range(256) for i in range(4)]
     expected = [int(any((w >> (8 * i)) & 0xFF > 128 for i in range(4))) for w in words]
     assert helpers("above128", words) == expected
 
@@ -645,6 +646,7 @@ def test_fp8_weight_bytes_and_activation_layout_agree(helpers):
 def test_scales_above_the_fp8_narrow_limit_are_detected(helpers):
     rng = random.Random(9)
     words = [sum(rng.choice([0, 128, 241, 242, 243, 250, 255]) << (8 * i) for i in range(4)) for _ in range(500)]
+    words += [byte << (8 * i) | 0x80 << (8 * ((i + 1) % 4)) for byte in range(256) for i in range(4)]
     expected = [int(any((w >> (8 * i)) & 0xFF > 242 for i in range(4))) for w in words]
     assert helpers("above242", words) == expected
 
