@@ -24,7 +24,6 @@ The per-kernel view runs each shape under torch.profiler. The sweep times
 every tile_tokens for every shape (median of event-timed calls after an L2
 flush, as eval.py times), to check the config chooser against measurements.
 """
-import importlib.util
 import os
 import sys
 from collections import defaultdict
@@ -33,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import ab_bench  # noqa: E402
 import eval as harness  # noqa: E402
 import reference  # noqa: E402
 import solution  # noqa: E402
@@ -140,11 +140,8 @@ def sweep(shapes=None) -> None:
 
 
 def once(which: str, solution_path: str = None) -> None:
-    version = solution
-    if solution_path:   # another version of solution.py, e.g. a commit's, to compare counters with
-        spec = importlib.util.spec_from_file_location("other_solution", solution_path)
-        version = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(version)
+    # another version of solution.py, e.g. a commit's, to compare counters with
+    version = ab_bench.load(solution_path, "other_solution") if solution_path else solution
     shapes = list(benchmark_inputs())
     for label, data in shapes if which == "all" else [shapes[int(which)]]:
         for _ in range(2):
