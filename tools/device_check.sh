@@ -74,11 +74,9 @@ if asked ab; then   # not part of "all": .ab/base.py against this checkout and .
     candidates=(.ab/candidate_*.py)
     # Every other version's kernels, built at once (one process each) before any timing.
     for version in .ab/base.py "${candidates[@]}"; do
-      python3 -c "import importlib.util, sys, torch
-spec = importlib.util.spec_from_file_location('version', sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-print(sys.argv[1], module._backend(torch.device('cuda'))[0])" "$version" >>"$OUT/ab_build.log" 2>&1 &
+      python3 -c "import sys, torch; sys.path.insert(0, 'tools'); import ab_bench
+print(sys.argv[1], ab_bench.load(sys.argv[1], 'version')._backend(torch.device('cuda'))[0])" "$version" \
+        >>"$OUT/ab_build.log" 2>&1 &
     done
     wait
     python3 tools/ab_bench.py .ab/base.py solution.py "${candidates[@]}" 2>"$OUT/ab.err" | tee "$OUT/ab.log" || status=1
