@@ -4,6 +4,8 @@ clock and machine drift fall on all alike (absolute times move by a few
 percent between H200s; a difference measured this way does not).
 
     python tools/ab_bench.py BASE.py [CANDIDATE.py ...] [rounds]
+    python tools/ab_bench.py --smoke VERSION.py   build it, one checked call per shape
+
 
 CANDIDATE defaults to this checkout's solution.py; rounds (default 6) of 5
 event-timed calls each per version, after an L2 flush as eval.py times them.
@@ -34,8 +36,28 @@ def load(path: str, name: str):
     return module
 
 
+def smoke(path: str) -> int:
+    """Builds one version and checks one call of it per benchmark shape, so
+    that a version which fails or hangs (run under `timeout`) can be left out
+    of the timing instead of stopping it."""
+    version = load(path, "smoke_version")
+    print(path, version._backend(torch.device("cuda"))[0], flush=True)
+    all_ok = True
+    for bs, routed, d_expert, seed, _ in solution.BENCHMARK_SHAPES:
+        data = reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K, solution.N_SHARED,
+                                        bs, seed)
+        ok, message = reference.check_implementation(data, version.custom_kernel(data))
+        torch.cuda.synchronize()
+        print(f"{path}: bs={bs} E={routed + solution.N_SHARED} d_expert={d_expert}",
+              "pass" if ok else f"FAILS: {message}", flush=True)
+        all_ok &= ok
+    return 0 if all_ok else 1
+
+
 def main() -> int:
     args = sys.argv[1:]
+    if args[:1] == ["--smoke"]:
+        return smoke(args[1])
     rounds = int(args.pop()) if len(args) > 1 and args[-1].isdigit() else 6
     base_path, candidate_paths = args[0], args[1:] or [os.path.join(os.path.dirname(__file__), "..", "solution.py")]
     versions = [load(path, f"ab_version_{i}") for i, path in enumerate([base_path] + candidate_paths)]
