@@ -160,18 +160,17 @@ MOE_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
 MOE_HD uint32_t weight_multiplier_of_byte(uint32_t four_scales, int k) {
     return byte_perm(four_scales + 0x7E7E7E7Eu, 0u, 0x4040u | (uint32_t)k * 0x101u) << 7;
 }
-// True if any of four packed scale bytes is above limit (128: the bf16 path
-// needs the second factor; kFp8NarrowScale: the FP8 path's exponent split).
-MOE_HD bool any_scale_above(uint32_t four_scales, uint32_t limit) {
-    return (four_scales & 0xFFu) > limit || (four_scales >> 8 & 0xFFu) > limit
-        || (four_scales >> 16 & 0xFFu) > limit || four_scales >> 24 > limit;
-}
 // Bit 7 of byte k set when byte k of four_scales is above limit (128 <= limit
 // < 255), other bits of a byte are noise: its low 7 bits plus 255 - limit carry
 // into bit 7 (never beyond) exactly when they exceed limit - 128. Three
 // instructions, so that a warp can vote on all of a stage's scales.
 MOE_HD uint32_t scale_bytes_above(uint32_t four_scales, uint32_t limit) {
     return ((four_scales & 0x7F7F7F7Fu) + (255u - limit) * 0x01010101u) & four_scales;
+}
+// True if any of four packed scale bytes is above limit (128: the bf16 path
+// needs the second factor; kFp8NarrowScale: the FP8 path's exponent split).
+MOE_HD bool any_scale_above(uint32_t four_scales, uint32_t limit) {
+    return (scale_bytes_above(four_scales, limit) & 0x80808080u) != 0u;
 }
 
 // Activations are stored as bf16 (Qa's values, exact), each 32-value block
