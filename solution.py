@@ -1035,14 +1035,21 @@ __device__ __forceinline__ void gemm_mainloop(
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int block = bp + q;
-                wgmma_fence();
+                // Every m-tile's A registers written before the fence: one
+                // written after it makes ptxas add a warpgroup.arrive (C7519).
+                uint32_t a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     // Rows g and g+8: even values of both, then odd values of both.
-                    const uint32_t a[4] = {fp4_even_to_e4m3(w[mt][2 * q]), fp4_even_to_e4m3(w[mt][2 * q + 1]),
-                                           fp4_odd_to_e4m3(w[mt][2 * q]), fp4_odd_to_e4m3(w[mt][2 * q + 1])};
-                    wgmma_e4m3<WT>(sums[q][mt], a, wgmma_descriptor(a_s + S::act_offset(0, 2 * block)));
+                    a[mt][0] = fp4_even_to_e4m3(w[mt][2 * q]);
+                    a[mt][1] = fp4_even_to_e4m3(w[mt][2 * q + 1]);
+                    a[mt][2] = fp4_odd_to_e4m3(w[mt][2 * q]);
+                    a[mt][3] = fp4_odd_to_e4m3(w[mt][2 * q + 1]);
                 }
+                wgmma_fence();
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    wgmma_e4m3<WT>(sums[q][mt], a[mt], wgmma_descriptor(a_s + S::act_offset(0, 2 * block)));
                 wgmma_commit();
                 if (block > 0) {
                     wgmma_wait<1>();
