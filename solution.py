@@ -407,7 +407,7 @@ GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8,
                 KernelConfig(64, 16, 64, 4, 4, False), KernelConfig(64, 32, 64, 4, 4, False),
                 KernelConfig(64, 16, 64, 4, 4, True),
                 KernelConfig(8, 16, 8, 8, 4, True, True, 32), KernelConfig(16, 16, 16, 8, 3, True, True),
-                KernelConfig(32, 16, 32, 8, 3, True, True))
+                KernelConfig(24, 16, 24, 8, 3, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
 GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
     f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
     f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, {(c.stage2_warp_rows or c.warp_rows) // 16})"
@@ -511,7 +511,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
 // g, g+8, then k 16+4t.. of both), b as in wgmma_m64n64k16.
 template <int N8>
 __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t b_descriptor) {
-    static_assert(N8 == 1 || N8 == 2 || N8 == 4, "8, 16 or 32 tokens");
+    static_assert(N8 >= 1 && N8 <= 4, "8, 16, 24 or 32 tokens");
 #ifdef MOE_HAS_WGMMA
     if constexpr (N8 == 1)
         asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %9, 0;\n"
@@ -525,6 +525,15 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a
                      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, accumulate, 1, 1;\n}\n"
                      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
                        "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+    else if constexpr (N8 == 3)
+        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %17, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "
+                     "{%12, %13, %14, %15}, %16, accumulate, 1, 1;\n}\n"
+                     : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
+                       "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]),
+                       "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
     else
         asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %21, 0;\n"
@@ -669,13 +678,14 @@ struct GemmShape {
     static constexpr int kActChunks = (kActCopies + kThreads - 1) / kThreads;
     static constexpr int kActScaleCopies = kActScaleBytes / 16;
     static_assert(kThreads >= kRows && kRows * SB % kThreads == 0
-                  && (kActCopies % kThreads == 0 || (kActCopies < kThreads && kThreads % kActRowChunks == 0))
+                  && (kActCopies % kThreads == 0 || kThreads % kActRowChunks == 0)
                   && kActScaleCopies <= kThreads, "copy split");
     // Activation copy j of thread tid: token, 16-byte chunk within the stage's
     // row, and where the chunk goes in shared memory. Consecutive threads copy
     // contiguous bytes of one token: 64 for bf16 WG (so that a warp's copies
-    // land in distinct bank groups), the whole stage row otherwise. With
-    // fewer chunks than threads, threads past kActCopies copy none.
+    // land in distinct bank groups), the whole stage row otherwise. Where
+    // kActCopies is no multiple of kThreads, the last round's copies past
+    // kActCopies (tokens past kTokens) are skipped.
     static constexpr bool kFourPerToken = WG && !FP8;
     static_assert(!kFourPerToken || kThreads / 4 == kTokens, "bf16 WG: four threads per token");
     static __device__ __forceinline__ int act_copy_token(int tid, int j) {
@@ -847,7 +857,7 @@ __device__ __forceinline__ void gemm_mainloop(
         constexpr int kChunksPerBlock = kScaleBlock * S::kActValueBytes / 16;
 #pragma unroll
         for (int j = 0; j < S::kActChunks; ++j)
-            if (kEveryThreadCopiesActs || tid < S::kActCopies) {
+            if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {
                 const bool valid = !kTail || S::act_copy_chunk(tid, j) / kChunksPerBlock < blocks;
                 cp_async_16(base + S::kActOffset + act_copy_offset(j),
                             valid ? act_src[j] + first_block * (kScaleBlock * S::kActValueBytes) : act,
@@ -1968,8 +1978,9 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     tokens fit in one tile and few of its columns stay empty: an expert
     spilling into a second tile has its weights read and converted again,
     while wide tiles waste MMA work. So 8-token tiles up to 8 tokens per
-    expert, 16 up to 16 (20 without wgmma), on sm_90 32 up to 28 (best at
-    17.5-26, 64-token tiles best at 35). Those narrow tiles take e4m3 warpgroup MMAs
+    expert, 16 up to 16 (20 without wgmma), on sm_90 24 up to 24 (best at
+    17.5-22.4, 16-token tiles at 13.4), 32 up to 28 (best at 26.2, 64-token
+    tiles at 35). Those narrow tiles take e4m3 warpgroup MMAs
     on sm_90, whose fp4 -> e4m3 conversion costs under half the integer work
     of fp4 -> bf16; with 8-token tiles, stage 2's warpgroups each cover two
     64-row MMA tiles (fewer instructions per weight: its stage 2 is
@@ -1979,7 +1990,9 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
         return KernelConfig(8, 16, 8, 8, 4, True, True, 32) if wgmma else KernelConfig(8, 16, 8, 8, 4, False)
-    if wgmma and 16 < tokens_per_expert <= 28:
+    if wgmma and 16 < tokens_per_expert <= 24:
+        return KernelConfig(24, 16, 24, 8, 3, True, True)
+    if wgmma and 24 < tokens_per_expert <= 28:
         return KernelConfig(32, 16, 32, 8, 3, True, True)
     if tokens_per_expert <= 20:
         return KernelConfig(16, 16, 16, 8, 3, wgmma, wgmma)
