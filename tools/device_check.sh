@@ -13,7 +13,8 @@
 #    stalls = ncu's warp-stall samples per SASS instruction of stage 1 on the first
 #    shape in $NCU_SHAPES, as $OUT/stalls.csv (neither is part of "all");
 #    robust = four processes building at once on an empty cache, then compute-sanitizer
-#    memcheck and racecheck over every official benchmark and test shape)
+#    memcheck and racecheck over the official test shapes and the benchmark shapes in
+#    $SANITIZE_SHAPES (indices 0-6, default all seven: about 5 minutes for racecheck))
 #
 # The official gpu-mode harness runs from .official/ (git-ignored): copy
 # problems/amd_202602/moe-mxfp4/eval.py and problems/amd_202602/utils.py of
@@ -104,6 +105,8 @@ if asked sweep; then
   step "config sweep"
   python3 tools/profile_kernels.py --sweep 2>"$OUT/sweep.err" | tee "$OUT/sweep.log" || status=1
 fi
+# ncu refuses a python3 that is a script wrapper: give it the interpreter itself.
+python_binary=$(python3 -c 'import sys; print(sys.executable)')
 if asked ncu; then   # not part of "all": about a minute per shape and version
   ncu_counters() {   # log file, then profile_kernels.py's --once arguments
     local log=$1; shift
@@ -111,7 +114,7 @@ if asked ncu; then   # not part of "all": about a minute per shape and version
     ncu --clock-control none -k regex:"stage[12]_kernel" -s 2 -c 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
       --metrics dram__bytes_read.sum.per_second,lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum,sm__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
-      python3 tools/profile_kernels.py --once "$@" >"$log" 2>&1 || status=1
+      "$python_binary" tools/profile_kernels.py --once "$@" >"$log" 2>&1 || status=1
     grep -E "stage[12]_kernel|Duration|Throughput|Registers|Achieved Occupancy|Waves Per SM|Issue Slots Busy|Eligible Warps|dram__|lts__|sm__inst|pipe_tensor|stalled" "$log" \
       | grep -v -E " 0(\.0+)?$|  0,0" | sed 's/^ *//' | awk '{$1=$1; print}' | grep -v -E "ratio +0\.0[0-9]?$"
   }
@@ -128,7 +131,7 @@ if asked stalls; then
   shape=$(echo ${NCU_SHAPES:-5} | cut -d' ' -f1)
   step "ncu source counters, stage 1 of benchmark shape $shape"
   ncu --clock-control none -k regex:stage1_kernel -s 1 -c 1 --section SourceCounters --section WarpStateStats \
-    -f -o "$OUT/stalls" python3 tools/profile_kernels.py --once "$shape" >"$OUT/stalls.log" 2>&1 || status=1
+    -f -o "$OUT/stalls" "$python_binary" tools/profile_kernels.py --once "$shape" >"$OUT/stalls.log" 2>&1 || status=1
   ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass >"$OUT/stalls.csv" 2>>"$OUT/stalls.log" || status=1
   rm -f "$OUT/stalls.ncu-rep"
   tail -3 "$OUT/stalls.log"; wc -l "$OUT/stalls.csv"
@@ -151,9 +154,9 @@ print('process $i:', solution._backend(torch.device('cuda'))[0], 'pass' if ok el
   grep -q "FAIL\|Error" "$OUT"/multi_*.log && status=1
   # On inputs saved beforehand: racecheck fails inside the cuBLAS GEMM the
   # input generator runs, so the checked process runs only our kernels.
-  # (About 13 GB of inputs; racecheck takes about 5 minutes: run robust alone.)
+  # (About 13 GB of inputs for all shapes; racecheck then takes about 5 minutes.)
   inputs=$(mktemp -d)/inputs.pt
-  python3 tools/profile_kernels.py --save "$inputs" >/dev/null
+  python3 tools/profile_kernels.py --save "$inputs" ${SANITIZE_SHAPES:-} >/dev/null
   for tool in memcheck racecheck; do
     step "compute-sanitizer $tool, official benchmark and test shapes"
     compute-sanitizer --tool $tool --kernel-name kns=moe --error-exitcode 9 \
