@@ -35,8 +35,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step "build"
-python3 -c "import solution, torch; print(solution._backend(torch.device('cuda'))[0])" 2>&1 | tee "$OUT/build.log" || status=1
-so=$(ls -t .kernel_cache/*/*.so 2>/dev/null | head -1)
+# The library's path is printed too: the cache may also hold other versions' (ab).
+python3 -c "import solution, torch; backend, module = solution._backend(torch.device('cuda'))
+print(backend); print('library:', getattr(module, '__file__', ''))" 2>&1 | tee "$OUT/build.log" || status=1
+so=$(sed -n 's/^library: //p' "$OUT/build.log")
 if [ -n "$so" ] && command -v cuobjdump >/dev/null; then
   # What the kernels really issue: HMMA for mma.sync, HGMMA for the warpgroup
   # MMAs (a wgmma config showing no HGMMA would have been built for the wrong
