@@ -119,6 +119,8 @@ if asked ncu; then   # not part of "all": about a minute per shape and version
       "$python_binary" tools/profile_kernels.py --once "$@" >"$log" 2>&1 || status=1
     grep -E "stage[12]_kernel|Duration|Throughput|Registers|Achieved Occupancy|Waves Per SM|Issue Slots Busy|Eligible Warps|dram__|lts__|sm__inst|pipe_tensor|stalled" "$log" \
       | grep -v -E " 0(\.0+)?$|  0,0" | sed 's/^ *//' | awk '{$1=$1; print}' | grep -v -E "ratio +0\.0[0-9]?$"
+    # No counters: show why (two calls of 2026-12-01 printed nothing here).
+    grep -q -E "stage[12]_kernel" "$log" || { echo "no ncu counters; the log ends:"; tail -5 "$log"; }
   }
   for shape in ${NCU_SHAPES:-0 4 5}; do
     step "ncu, benchmark shape $shape: stage 1 and stage 2 of the second call"
