@@ -1,0 +1,57 @@
+"""tools/device_check.sh's A/B step, run with a fake python3 and nvidia-smi on
+PATH (no GPU): versions whose smoke check fails or hangs are left out of the
+timing, and nothing is timed when the base or the checkout fails."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A version file holding FAIL fails its smoke check; one holding HANG outlasts the timeout.
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = tools/ab_bench.py ] && [ "$2" = --smoke ]; then
+  grep -q FAIL "$3" && exit 1
+  grep -q HANG "$3" && sleep 30
+fi
+echo "python3 $*"
+"""
+
+
+def run_ab(tmp_path, checkout, versions):
+    if shutil.which("timeout") is None:
+        pytest.skip("needs coreutils timeout")
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    (repo / ".ab").mkdir()
+    script = (REPO / "tools" / "device_check.sh").read_text()
+    assert "timeout 400" in script
+    (repo / "tools" / "device_check.sh").write_text(script.replace("timeout 400", "timeout 2"))
+    (repo / "solution.py").write_text(checkout)
+    for name, text in versions.items():
+        (repo / ".ab" / name).write_text(text)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/bin/bash\necho gpu\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    run = subprocess.run(["bash", str(repo / "tools" / "device_check.sh"), "ab"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    return run.stdout, [line for line in run.stdout.splitlines() if line.startswith("python3 tools/ab_bench.py .ab")]
+
+
+def test_ab_leaves_out_versions_that_fail_or_hang(tmp_path):
+    out, timing = run_ab(tmp_path, "ok", {"base.py": "ok", "candidate_good.py": "ok", "candidate_bad.py": "FAIL",
+                                          "candidate_hang.py": "HANG"})
+    assert timing == ["python3 tools/ab_bench.py .ab/base.py solution.py .ab/candidate_good.py"], out
+    assert "left out" in out and ".ab/candidate_bad.py" in out and ".ab/candidate_hang.py" in out
+
+
+@pytest.mark.parametrize("failing", ["base", "checkout"])
+def test_ab_times_nothing_when_the_base_or_checkout_fails(tmp_path, failing):
+    out, timing = run_ab(tmp_path, "FAIL" if failing == "checkout" else "ok",
+                         {"base.py": "FAIL" if failing == "base" else "ok", "candidate_good.py": "ok"})
+    assert timing == [] and "no A/B" in out, out
