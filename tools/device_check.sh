@@ -107,13 +107,21 @@ if asked sweep; then
   step "config sweep"
   python3 tools/profile_kernels.py --sweep 2>"$OUT/sweep.err" | tee "$OUT/sweep.log" || status=1
 fi
-# ncu refuses a python3 that is a script wrapper: give it the interpreter itself.
-python_binary=$(python3 -c 'import sys; print(sys.executable)')
+# ncu refused the python3 on PATH ("not an executable binary"), and
+# sys.executable too (2026-12-01): give it the interpreter's real file, with
+# the environment's site-packages on PYTHONPATH (run from its real path,
+# Python no longer finds the venv), and say what python3 was.
+python_binary=$(python3 -c 'import os, sys; print(os.path.realpath(sys.executable))')
+python_path=$(python3 -c 'import site, sys; print(":".join(p for p in site.getsitepackages() + sys.path if p))')
+ncu_python() {
+  echo "python3: $(command -v python3) -> $python_binary ($(head -c 4 "$python_binary" | od -An -c | tr -s ' '))" >&2
+  PYTHONPATH="$python_path" "$@"
+}
 if asked ncu; then   # not part of "all": about a minute per shape and version
   ncu_counters() {   # log file, then profile_kernels.py's --once arguments
     local log=$1; shift
     # --once calls the shape twice; skip the first call's two stage kernels.
-    ncu --clock-control none -k regex:"stage[12]_kernel" -s 2 -c 2 \
+    ncu_python ncu --clock-control none -k regex:"stage[12]_kernel" -s 2 -c 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
       --metrics dram__bytes_read.sum.per_second,lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum,sm__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
       "$python_binary" tools/profile_kernels.py --once "$@" >"$log" 2>&1 || status=1
@@ -134,7 +142,7 @@ fi
 if asked stalls; then
   shape=$(echo ${NCU_SHAPES:-5} | cut -d' ' -f1)
   step "ncu source counters, stage 1 of benchmark shape $shape"
-  ncu --clock-control none -k regex:stage1_kernel -s 1 -c 1 --section SourceCounters --section WarpStateStats \
+  ncu_python ncu --clock-control none -k regex:stage1_kernel -s 1 -c 1 --section SourceCounters --section WarpStateStats \
     -f -o "$OUT/stalls" "$python_binary" tools/profile_kernels.py --once "$shape" >"$OUT/stalls.log" 2>&1 || status=1
   ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass >"$OUT/stalls.csv" 2>>"$OUT/stalls.log" || status=1
   rm -f "$OUT/stalls.ncu-rep"
