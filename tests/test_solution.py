@@ -226,15 +226,19 @@ def test_every_gemm_config(shape, config, splits, row_tiles):
                                                     stage2_row_tiles=row_tiles))
 
 
-def with_row_scales(data, index, low, high, share, gen):
+def with_row_scales(data, index, low, high, share, gen, gate_rows_only=False):
     """data with a share of the weight rows of scale tensor `index` given one
-    scale byte in [low, high) for all their blocks. Whole rows: a row whose
+    scale byte in [low, high) for all their blocks (gate_rows_only: of the
+    gate/up scales, gate rows only). Whole rows: a row whose
     blocks differ by 2^14 and more can cancel its large terms exactly, and
     what the float64 reference then keeps of its other terms, any fp32
     accumulation (ours, or a bf16 tensor core's) has already rounded away."""
     scales = data[index].view(torch.uint8).cpu().clone()
     rows = scales.reshape(-1, scales.shape[-1])
     pick = torch.rand(rows.shape[0], generator=gen) < share
+    if gate_rows_only:
+        d_expert_pad = data[11]["d_expert_pad"]
+        pick &= torch.arange(rows.shape[0]) % (2 * d_expert_pad) < d_expert_pad
     values = torch.randint(low, high, (rows.shape[0], 1), generator=gen, dtype=torch.uint8)
     rows[pick] = values[pick].expand(-1, rows.shape[1])
     return with_replaced(data, index, scales.to(data[index].device).view(data[index].dtype))
@@ -265,6 +269,23 @@ def test_fp8_configs_stay_exact_over_every_weight_scale_range(config, changes):
     gen = torch.Generator(device="cpu").manual_seed(27)
     for index, low, high in changes:
         data = with_row_scales(data, index, low, high, 0.2, gen)
+    module = solution._backend(torch.device("cuda"))[1]
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
+    assert torch.isfinite(out).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", solution.GEMM_CONFIGS, ids=lambda c: str(c).replace("/", "-"))
+def test_every_config_takes_the_wide_path_in_stage1(config):
+    """Weight scales beyond the narrow scaling path (above 128 for bf16, 242
+    for e4m3) in a few gate rows of stage 1 (not up rows, so that
+    silu(gate) * up stays finite in bf16 at e4m3's 2^116): some CTAs meet
+    one, most do not. On the narrow path their factors would overflow and
+    the comparison fail."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 28)
+    low, high = (243, 244) if config.fp8 else (129, 141)
+    data = with_row_scales(data, 3, low, high, 0.005, torch.Generator(device="cpu").manual_seed(29),
+                           gate_rows_only=True)
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
     assert torch.isfinite(out).all()
