@@ -394,7 +394,7 @@ class KernelConfig(NamedTuple):
     stage_blocks: int   # scale blocks (32 K values) per cp.async pipeline stage
     stages: int         # pipeline depth
     wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
-    fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8, 16 or 32 tokens)
+    fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 to 32 tokens)
     stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (e4m3: 32, two MMA tiles)
 
     def __str__(self):
@@ -710,7 +710,7 @@ struct GemmShape {
     // bf16 warpgroup-MMA CTAs are capped at 128 registers so that two fit
     // per SM; e4m3 ones at 80 (8 tokens; 64 spills), 170 (8 tokens in
     // 128-thread CTAs of two 64-row tiles per warpgroup: three CTAs) and 128
-    // (16 and 32; 80 spills at 16).
+    // (16 to 32 tokens; 80 spills at 16).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
                                           : FP8 ? 2 : 1;
