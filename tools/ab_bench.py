@@ -36,6 +36,15 @@ def load(path: str, name: str):
     return module
 
 
+def benchmark_inputs(shapes=None):
+    """(label, input) of each benchmark shape (or of `shapes`, in
+    solution.BENCHMARK_SHAPES's form), generated one at a time."""
+    for bs, routed, d_expert, seed, _ in shapes or solution.BENCHMARK_SHAPES:
+        label = f"bs={bs} E={routed + solution.N_SHARED} d_expert={d_expert}"
+        yield label, reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K,
+                                              solution.N_SHARED, bs, seed)
+
+
 def smoke(path: str) -> int:
     """Builds one version and checks one call of it per benchmark shape, so
     that a version which fails or hangs (run under `timeout`) can be left out
@@ -43,13 +52,10 @@ def smoke(path: str) -> int:
     version = load(path, "smoke_version")
     print(path, version._backend(torch.device("cuda"))[0], flush=True)
     all_ok = True
-    for bs, routed, d_expert, seed, _ in solution.BENCHMARK_SHAPES:
-        data = reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K, solution.N_SHARED,
-                                        bs, seed)
+    for label, data in benchmark_inputs():
         ok, message = reference.check_implementation(data, version.custom_kernel(data))
         torch.cuda.synchronize()
-        print(f"{path}: bs={bs} E={routed + solution.N_SHARED} d_expert={d_expert}",
-              "pass" if ok else f"FAILS: {message}", flush=True)
+        print(f"{path}: {label}", "pass" if ok else f"FAILS: {message}", flush=True)
         all_ok &= ok
     return 0 if all_ok else 1
 
@@ -68,10 +74,7 @@ def main() -> int:
     print(f"{'shape':<28} {'base us':>9}" + "".join(f" {f'cand {i + 1} us':>10} {'/base':>6}"
                                                    for i in range(len(candidate_paths))), flush=True)
     ratios, all_ok = [[] for _ in candidate_paths], True
-    for bs, routed, d_expert, seed, _ in solution.BENCHMARK_SHAPES:
-        label = f"bs={bs} E={routed + solution.N_SHARED} d_expert={d_expert}"
-        data = reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K, solution.N_SHARED,
-                                        bs, seed)
+    for label, data in benchmark_inputs():
         times = [[] for _ in versions]
         for name, version in zip(names, versions):
             ok, message = reference.check_implementation(data, version.custom_kernel(data))

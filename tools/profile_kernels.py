@@ -33,16 +33,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ab_bench  # noqa: E402
+from ab_bench import benchmark_inputs  # noqa: E402
 import eval as harness  # noqa: E402
 import reference  # noqa: E402
 import solution  # noqa: E402
-
-
-def benchmark_inputs(shapes=None):
-    for bs, routed, d_expert, seed, _ in shapes or solution.BENCHMARK_SHAPES:
-        label = f"bs={bs} E={routed + solution.N_SHARED} d_expert={d_expert}"
-        yield label, reference.generate_input(solution.D_HIDDEN, d_expert, routed, solution.TOP_K,
-                                              solution.N_SHARED, bs, seed)
 
 
 def call_kernel_times(kernels: list, repeats: int, spans: list = None) -> dict:
