@@ -1,6 +1,7 @@
-"""tools/device_check.sh's A/B step, run with a fake python3 and nvidia-smi on
-PATH (no GPU): versions whose smoke check fails or hangs are left out of the
-timing, and nothing is timed when the base or the checkout fails."""
+"""tools/device_check.sh, run with a fake python3, nvidia-smi and
+compute-sanitizer on PATH (no GPU): the A/B step leaves out versions whose
+smoke check fails or hangs and times nothing when the base or the checkout
+fails; the robust step's two halves run on their own."""
 import os
 import shutil
 import subprocess
@@ -20,7 +21,9 @@ echo "python3 $*"
 """
 
 
-def run_ab(tmp_path, checkout, versions):
+def run_script(tmp_path, checkout, versions, parts):
+    """stdout of device_check.sh PARTS in a fake repository whose
+    solution.py holds `checkout` and .ab/ the `versions` (name: text)."""
     if shutil.which("timeout") is None:
         pytest.skip("needs coreutils timeout")
     repo = tmp_path / "repo"
@@ -34,13 +37,19 @@ def run_ab(tmp_path, checkout, versions):
         (repo / ".ab" / name).write_text(text)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/bin/bash\necho gpu\n")):
+    for name, text in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/bin/bash\necho gpu\n"),
+                       ("compute-sanitizer", "#!/bin/bash\necho \"compute-sanitizer $*\"\n")):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
-    run = subprocess.run(["bash", str(repo / "tools" / "device_check.sh"), "ab"], capture_output=True, text=True,
+    run = subprocess.run(["bash", str(repo / "tools" / "device_check.sh"), *parts], capture_output=True, text=True,
                          env=env, timeout=120)
-    return run.stdout, [line for line in run.stdout.splitlines() if line.startswith("python3 tools/ab_bench.py .ab")]
+    return run.stdout
+
+
+def run_ab(tmp_path, checkout, versions):
+    out = run_script(tmp_path, checkout, versions, ["ab"])
+    return out, [line for line in out.splitlines() if line.startswith("python3 tools/ab_bench.py .ab")]
 
 
 def test_ab_leaves_out_versions_that_fail_or_hang(tmp_path):
@@ -55,3 +64,11 @@ def test_ab_times_nothing_when_the_base_or_checkout_fails(tmp_path, failing):
     out, timing = run_ab(tmp_path, "FAIL" if failing == "checkout" else "ok",
                          {"base.py": "FAIL" if failing == "base" else "ok", "candidate_good.py": "ok"})
     assert timing == [] and "no A/B" in out, out
+
+
+@pytest.mark.parametrize("parts, builds, sanitizes", [(["sanitize"], False, True), (["multibuild"], True, False),
+                                                      (["robust"], True, True)])
+def test_robust_is_multibuild_and_sanitize(tmp_path, parts, builds, sanitizes):
+    out = run_script(tmp_path, "ok", {}, parts)
+    assert ("four processes importing at once" in out) == builds, out
+    assert ("compute-sanitizer --tool racecheck" in out) == sanitizes, out

@@ -2,7 +2,8 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|official|profile|sweep|ab|ncu|stalls|selfbench|bench|robust|all]...   (default: all)
+#   tools/device_check.sh [tests|official|profile|sweep|ab|ncu|stalls|selfbench|bench|robust|multibuild|sanitize|all]...
+#   (default: all)
 #   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
@@ -12,9 +13,10 @@
 #    NCU_BASE=FILE (e.g. .ab/base.py, carried) the same counters of that solution.py follow;
 #    stalls = ncu's warp-stall samples per SASS instruction of stage 1 on the first
 #    shape in $NCU_SHAPES, as $OUT/stalls.csv (neither is part of "all");
-#    robust = four processes building at once on an empty cache, then compute-sanitizer
-#    memcheck and racecheck over the official test shapes and the benchmark shapes in
-#    $SANITIZE_SHAPES (indices 0-6, default all seven: about 5 minutes for racecheck))
+#    robust = multibuild + sanitize: four processes building at once on an empty cache
+#    (multibuild, about 80 s), then compute-sanitizer memcheck and racecheck over the
+#    official test shapes and the benchmark shapes in $SANITIZE_SHAPES (sanitize; indices
+#    0-6, default all seven: about 5 minutes for racecheck))
 #
 # The official gpu-mode harness runs from .official/ (git-ignored): copy
 # problems/amd_202602/moe-mxfp4/eval.py and problems/amd_202602/utils.py of
@@ -148,7 +150,7 @@ if asked stalls; then
   rm -f "$OUT/stalls.ncu-rep"
   tail -3 "$OUT/stalls.log"; wc -l "$OUT/stalls.csv"
 fi
-if want robust; then
+if want robust || asked multibuild; then
   step "four processes importing at once on an empty cache"
   cache=$(mktemp -d)
   for i in 1 2 3 4; do
@@ -164,6 +166,8 @@ print('process $i:', solution._backend(torch.device('cuda'))[0], 'pass' if ok el
   cat "$OUT"/multi_*.log
   echo "libraries built: $(find "$cache" -name '*.so' | wc -l); compile units: $(find "$cache" -name '*.o' | wc -l)"
   grep -q "FAIL\|Error" "$OUT"/multi_*.log && status=1
+fi
+if want robust || asked sanitize; then
   # On inputs saved beforehand: racecheck fails inside the cuBLAS GEMM the
   # input generator runs, so the checked process runs only our kernels.
   # (About 13 GB of inputs for all shapes; racecheck then takes about 5 minutes.)
