@@ -478,20 +478,25 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOE_HAS_WGMMA 1
 #endif
-// Descriptor of a K-major bf16 operand in the 128-byte swizzle: rows of 128
-// bytes (64 values), 8-row atoms 1024 bytes apart, 1024-byte aligned; p may
-// point inside a row, at the 16-value slice an MMA reads.
-__device__ __forceinline__ uint64_t wgmma_descriptor(const void* p) {
-    return (uint64_t)((smem_addr(p) & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32
-         | (uint64_t)1 << 62;
+// Descriptor of a K-major operand in the 128-byte swizzle: rows of 128
+// bytes (64 bf16 or 128 e4m3 values), 8-row atoms 1024 bytes apart,
+// 1024-byte aligned. The MMA wrappers take its low half, the start address
+// / 16 (14 bits: shared memory is under 256 KB) and a leading-byte offset of
+// 1 (unused by this layout), and add the constant high half. So the slice an
+// MMA reads, a constant byte offset c into a stage, is the stage's low half
+// plus c / 16: one add per MMA, not the five of building it from an address.
+__device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) {
+    return smem_addr(p) >> 4 | 1u << 16;
 }
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_descriptor) {
+constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;   // atom stride; 128-byte swizzle
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4], uint32_t b_descriptor) {
 #ifdef MOE_HAS_WGMMA
-    asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %37, 0;\n"
+    asm volatile("{\n.reg .pred accumulate;\n.reg .b64 b;\nsetp.ne.b32 accumulate, %37, 0;\n"
+                 "mov.b64 b, {%36, %38};\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, %36, accumulate, 1, 1, 0;\n}\n"
+                 "{%32, %33, %34, %35}, b, accumulate, 1, 1, 0;\n}\n"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
                    "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
                    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -500,7 +505,7 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
                    "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
                    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
                    "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(1));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(1), "r"(kWgmmaDescriptorHigh));
 #else
     __trap();
 #endif
@@ -510,41 +515,49 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t
 // from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows
 // g, g+8, then k 16+4t.. of both), b as in wgmma_m64n64k16.
 template <int N8>
-__device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t b_descriptor) {
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a)[4], uint32_t b_descriptor) {
     static_assert(N8 >= 1 && N8 <= 4, "8, 16, 24 or 32 tokens");
 #ifdef MOE_HAS_WGMMA
     if constexpr (N8 == 1)
-        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %9, 0;\n"
+        asm volatile("{\n.reg .pred accumulate;\n.reg .b64 b;\nsetp.ne.b32 accumulate, %9, 0;\n"
+                     "mov.b64 b, {%8, %10};\n"
                      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
-                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, accumulate, 1, 1;\n}\n"
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, b, accumulate, 1, 1;\n}\n"
                      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(0),
+                       "r"(kWgmmaDescriptorHigh));
     else if constexpr (N8 == 2)
-        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %13, 0;\n"
+        asm volatile("{\n.reg .pred accumulate;\n.reg .b64 b;\nsetp.ne.b32 accumulate, %13, 0;\n"
+                     "mov.b64 b, {%12, %14};\n"
                      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-                     "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, accumulate, 1, 1;\n}\n"
+                     "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, b, accumulate, 1, 1;\n}\n"
                      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
                        "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(0),
+                       "r"(kWgmmaDescriptorHigh));
     else if constexpr (N8 == 3)
-        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %17, 0;\n"
+        asm volatile("{\n.reg .pred accumulate;\n.reg .b64 b;\nsetp.ne.b32 accumulate, %17, 0;\n"
+                     "mov.b64 b, {%16, %18};\n"
                      "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 "
                      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "
-                     "{%12, %13, %14, %15}, %16, accumulate, 1, 1;\n}\n"
+                     "{%12, %13, %14, %15}, b, accumulate, 1, 1;\n}\n"
                      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
                        "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]),
                        "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(0),
+                       "r"(kWgmmaDescriptorHigh));
     else
-        asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %21, 0;\n"
+        asm volatile("{\n.reg .pred accumulate;\n.reg .b64 b;\nsetp.ne.b32 accumulate, %21, 0;\n"
+                     "mov.b64 b, {%20, %22};\n"
                      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
                      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-                     "{%16, %17, %18, %19}, %20, accumulate, 1, 1;\n}\n"
+                     "{%16, %17, %18, %19}, b, accumulate, 1, 1;\n}\n"
                      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]),
                        "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]),
                        "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]),
                        "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(0));
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(0),
+                       "r"(kWgmmaDescriptorHigh));
 #else
     __trap();
 #endif
@@ -940,6 +953,7 @@ __device__ __forceinline__ bool gemm_mainloop(
     // both multipliers (see weight_multiplier_low). Called with a constant
     // kWide, so each call inlines its own straight-line code.
     auto compute_blocks = [&](const bool kWide, const uint8_t* w_s, const uint8_t* a_s) {
+        const uint32_t act_descriptor = S::kWgmma ? wgmma_descriptor_low(a_s) : 0u;
 #pragma unroll
         for (int bp = 0; bp < SB; bp += 2) {
             uint32_t next[MT][4];
@@ -983,7 +997,7 @@ __device__ __forceinline__ bool gemm_mainloop(
                     wgmma_fence();
 #pragma unroll
                     for (int s = 0; s < 2; ++s)
-                        wgmma_m64n64k16(acc[0], a[0][s], wgmma_descriptor(a_s + S::act_offset(0, block * 4 + 2 * s)));
+                        wgmma_m64n64k16(acc[0], a[0][s], act_descriptor + S::act_offset(0, block * 4 + 2 * s) / 16);
                     wgmma_commit();
                     wgmma_wait<1>();
                 } else {
@@ -1024,6 +1038,7 @@ __device__ __forceinline__ bool gemm_mainloop(
     auto compute_blocks_fp8 = [&](auto wide, const uint8_t* w_s, const uint8_t* a_s, const float* a_scale_s) {
         constexpr bool kWide = decltype(wide)::value;
         const int t = lane & 3;
+        const uint32_t act_descriptor = wgmma_descriptor_low(a_s);
         float sums[2][MT][WT][4];   // block b's in sums[b % 2]
         auto add_block = [&](int block, float (&sum)[MT][WT][4]) {
             float act_factor[WT][2];   // tokens 2t and 2t+1 of each n-tile
@@ -1085,7 +1100,7 @@ __device__ __forceinline__ bool gemm_mainloop(
                 wgmma_fence();
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
-                    wgmma_e4m3<WT>(sums[q][mt], a[mt], wgmma_descriptor(a_s + S::act_offset(0, 2 * block)));
+                    wgmma_e4m3<WT>(sums[q][mt], a[mt], act_descriptor + S::act_offset(0, 2 * block) / 16);
                 wgmma_commit();
                 if (block > 0) {
                     wgmma_wait<1>();
