@@ -9,7 +9,8 @@
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py, calls interleaved in one process (tools/ab_bench.py; not part of "all");
 #    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
-#    (indices 0-6, default "0 4 5"): throughputs, tensor pipes, issue, stall reasons; with
+#    (indices 0-6, default "0 4 5"): throughputs, tensor/ALU/FMA pipes, shared-memory
+#    wavefronts and bank conflicts, issue, stall reasons; with
 #    NCU_BASE=FILE (e.g. .ab/base.py, carried) the same counters of that solution.py follow;
 #    stalls = ncu's warp-stall samples per SASS instruction of stage 1 on the first
 #    shape in $NCU_SHAPES, as $OUT/stalls.csv (neither is part of "all");
