@@ -9,7 +9,10 @@ percent between H200s; a difference measured this way does not).
 
 CANDIDATE defaults to this checkout's solution.py; rounds (default 6) of 5
 event-timed calls each per version, after an L2 flush as eval.py times them.
-Every version must pass the reference check on every shape. For the
+Every version must pass the reference check on every shape. A second table
+splits each version's call into stage 1, stage 2 and the rest (per-kernel
+device time under torch.profiler, as tools/profile_kernels.py counts it), so
+that a ratio can be traced to the kernel that moved. For the
 committed version, and a branch's:
     mkdir -p .ab && git show HEAD:solution.py > .ab/base.py   (.ab/ is git-ignored: carry it)
     git show BRANCH:solution.py > .ab/candidate_BRANCH.py
@@ -45,6 +48,13 @@ def benchmark_inputs(shapes=None):
                                               solution.N_SHARED, bs, seed)
 
 
+def stage_split(times: dict) -> tuple:
+    """(stage 1, stage 2, everything else) us of one call's per-kernel us."""
+    stage1 = sum(us for name, us in times.items() if "stage1_kernel" in name)
+    stage2 = sum(us for name, us in times.items() if "stage2_kernel" in name)
+    return stage1, stage2, sum(times.values()) - stage1 - stage2
+
+
 def smoke(path: str) -> int:
     """Builds one version and checks one call of it per benchmark shape, so
     that a version which fails or hangs (run under `timeout`) can be left out
@@ -73,7 +83,8 @@ def main() -> int:
         print(f"candidate {i + 1}: {path}")
     print(f"{'shape':<28} {'base us':>9}" + "".join(f" {f'cand {i + 1} us':>10} {'/base':>6}"
                                                    for i in range(len(candidate_paths))), flush=True)
-    ratios, all_ok = [[] for _ in candidate_paths], True
+    from profile_kernels import kernel_times   # it imports this module
+    ratios, all_ok, splits = [[] for _ in candidate_paths], True, []
     for label, data in benchmark_inputs():
         times = [[] for _ in versions]
         for name, version in zip(names, versions):
@@ -91,11 +102,16 @@ def main() -> int:
             ratios[i].append(us / medians[0])
             row += f" {us:10.1f} {ratios[i][-1]:6.3f}"
         print(row, flush=True)
+        splits.append(f"{label:<28}" + "".join(
+            " %7.1f+%6.1f+%5.1f" % stage_split(kernel_times(version.custom_kernel, data, 3)) for version in versions))
         del data
         torch.cuda.empty_cache()
     print(f"{'geomean ratio':<28} {'':>9}" + "".join(f" {'':>10} {math.exp(sum(map(math.log, r)) / len(r)):6.3f}"
                                                      for r in ratios))
     print(f"median of {rounds * 5} event-timed calls after an L2 flush, the versions' calls interleaved")
+    print("\nstage 1 + stage 2 + the rest, us per call (torch.profiler, 3 calls, no L2 flush)")
+    print(f"{'shape':<28}" + "".join(f" {name[:21]:>21}" for name in names))
+    print("\n".join(splits))
     return 0 if all_ok else 1
 
 

@@ -1,0 +1,17 @@
+"""tools/ab_bench.py: how a call's per-kernel times are split by stage."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import ab_bench  # noqa: E402
+import pytest  # noqa: E402
+
+
+def test_stage_split_sums_each_stage_and_leaves_the_rest():
+    times = {"stage1_kernel": 60.0, "stage2_kernel": 38.5, "route_and_quantize_kernel": 3.5,
+             "swiglu_quantize_kernel": 2.9, "convert_output_kernel": 1.3}
+    assert ab_bench.stage_split(times) == pytest.approx((60.0, 38.5, 7.7))
+
+
+def test_stage_split_of_no_kernels_is_zero():
+    assert ab_bench.stage_split({}) == (0.0, 0.0, 0.0)
