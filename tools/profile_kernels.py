@@ -113,8 +113,7 @@ def sweep(shapes=None) -> None:
             call = lambda d: solution._run_kernels(module, d, config)  # noqa: E731
             row.append(median_us(call, data))
             kernels = kernel_times(call, data, 3)
-            stage_us = [sum(us for name, us in kernels.items() if f"stage{i}_kernel" in name) for i in (1, 2)]
-            stage_row.append("%.1f+%.1f" % tuple(stage_us))
+            stage_row.append("%.1f+%.1f" % ab_bench.stage_split(kernels)[:2])
         chosen = solution.choose_config(m, top_k, n_experts, data[11]["d_expert"],
                                         solution._has_wgmma(data[0].device.index))
         sliced = [median_us(lambda d: solution._run_kernels(module, d, chosen, stage1_splits=n), data)
