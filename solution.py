@@ -123,11 +123,17 @@ MOE_HD float e2m1_value(uint32_t code) {
 // bf16 bit patterns of value * 2^-126 in the low and high halves (magnitude
 // bits to bf16 bits 6..8, sign to bit 15; code 1, 0.5, becomes a subnormal).
 // Multiplying by the block's weight_multiplier then gives value * scale.
+// The pair's two codes (a nibble each, 16 bits apart) are multiplied by a
+// constant with two bits set, which places copies of each at two shifts:
+// its magnitude bits land at bits 6..8 (22..24) and its sign at bit 15 (31),
+// the copies never overlap (so no carries), and a mask keeps those bits.
+// Three integer operations per pair, the multiply on the FMA pipe (the
+// conversion is the bf16 GEMMs' busiest work, on the ALU pipe), where a
+// shift-and-mask form took four, all on the ALU.
 template <int J>
 MOE_HD uint32_t fp4_pair_to_bf16(uint32_t word) {
-    const uint32_t magnitude = (J == 0 ? word << 6 : J == 1 ? word << 2 : J == 2 ? word >> 2 : word >> 6) & 0x01C001C0u;
-    const uint32_t sign = J == 0 ? word << 12 : J == 1 ? word << 8 : J == 2 ? word << 4 : word;
-    return (sign & 0x80008000u) | magnitude;
+    const uint32_t codes = (J < 2 ? word : word >> 8) & (J % 2 == 0 ? 0x000F000Fu : 0x00F000F0u);
+    return codes * (J % 2 == 0 ? 0x1040u : 0x0104u) & 0x81C081C0u;
 }
 // Both halves of a bf16x2 set to 2^(field - 127), field in [0, 254].
 MOE_HD uint32_t bf16x2_pow2(uint32_t field) {
