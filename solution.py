@@ -414,7 +414,18 @@ GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
     for c in GEMM_CONFIGS) + "\n"
 
 GEMM_SOURCE = r"""
+// Tensor maps for TMA copies (CUDA only: the bf16 warpgroup-MMA configs that
+// use them are sm_90-only; elsewhere an opaque stand-in of the same size).
+#if !defined(USE_ROCM)
+#include <cuda.h>
+#endif
 namespace moe {
+#if !defined(USE_ROCM)
+using TensorMap = CUtensorMap;
+#else
+struct alignas(64) TensorMap { unsigned char bytes[128]; };
+#define __grid_constant__
+#endif
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define MOE_HAS_BF16_MMA 1
@@ -617,6 +628,24 @@ __device__ __forceinline__ void cp_async_arrive(uint64_t* barrier) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(barrier)) : "memory");
 #endif
 }
+// TMA (sm_90): this thread's arrival on the barrier, with `bytes` more for
+// its phase to wait for; then tma_load_2d copies the box of `map` at
+// element x of row y to shared memory, the barrier counting its bytes.
+// Box bytes past the tensor's edges are zero.
+__device__ __forceinline__ void mbarrier_arrive_expecting(uint64_t* barrier, uint32_t bytes) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(smem_addr(barrier)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int x, int y, uint64_t* barrier) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(smem_addr(dst)), "l"(map), "r"(x), "r"(y), "r"(smem_addr(barrier)) : "memory");
+#else
+    __trap();
+#endif
+}
 // Until the barrier's phase of the given parity has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, int parity) {
 #ifdef MOE_HAS_WGMMA
@@ -785,13 +814,16 @@ enum class ScalePath {
     kNarrowChecked,   // every stage narrow, no vote; each thread checks the scales it loads
     kWide,            // every stage wide
 };
-template <typename S, int kRing, bool kMbarriers, ScalePath kPath, typename WeightRowOf, typename ActRowOf,
-          typename TileDone>
+// kActTma (bf16 warpgroup MMAs, a tile's activations in consecutive rows of
+// act: stage 2): thread 0 loads each stage's activations with TMA through
+// act_map (see act_tensor_map), instead of every thread's copies.
+template <typename S, int kRing, bool kMbarriers, ScalePath kPath, bool kActTma, typename WeightRowOf,
+          typename ActRowOf, typename TileDone>
 __device__ __forceinline__ bool gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
-        int k_padded, int k_blocks,
+        const TensorMap* act_map, int k_padded, int k_blocks,
         int row_tiles, int row_tile_step, TileDone tile_done) {
     constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
@@ -860,8 +892,18 @@ __device__ __forceinline__ bool gemm_mainloop(
     // and each copy tests its own (copy_stage is called with a constant
     // kTail, so the other stages' copies test nothing); copies of missing
     // blocks read nothing, from a valid address.
+    // kActTma: act_full[slot] counts the TMA bytes of the slot's activations.
+    static_assert(!kActTma || (S::kWgmma && !S::kFp8), "TMA activations: bf16 warpgroup-MMA configs");
+    __shared__ uint64_t act_full[kActTma ? kRing : 1];
+    if constexpr (kActTma) {
+        if (tid == 0)
+            for (int j = 0; j < kRing; ++j) mbarrier_init(&act_full[j], 1);
+        fence_mbarrier_init();
+        __syncthreads();
+    }
     int first_block = 0, tile_row = 0;
-    auto copy_stage = [&](const bool kTail, uint8_t* base, int blocks) {
+    auto copy_stage = [&](const bool kTail, int slot, int blocks) {
+        uint8_t* base = stage_base(slot);
         const size_t weight_offset = (size_t)tile_row * (k_padded / 2) + first_block * 16;
         const size_t scale_offset = (size_t)tile_row * scale_len + first_block;
         const bool weight_valid = !kTail || tid % SB < blocks;
@@ -879,14 +921,26 @@ __device__ __forceinline__ bool gemm_mainloop(
                                            valid_bytes);
             }
         constexpr int kChunksPerBlock = kScaleBlock * S::kActValueBytes / 16;
+        if constexpr (kActTma) {
+            // 64-value boxes of the tile's rows, whole even in the tail: the
+            // map reads past the K of the GEMM as zero.
+            if (tid == 0) {
+                mbarrier_arrive_expecting(&act_full[slot], S::kActBytes);
 #pragma unroll
-        for (int j = 0; j < S::kActChunks; ++j)
-            if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {
-                const bool valid = !kTail || S::act_copy_chunk(tid, j) / kChunksPerBlock < blocks;
-                cp_async_16(base + S::kActOffset + act_copy_offset(j),
-                            valid ? act_src[j] + first_block * (kScaleBlock * S::kActValueBytes) : act,
-                            valid ? act_src_bytes[j] : 0);
+                for (int h = 0; h < SB * kScaleBlock / 64; ++h)
+                    tma_load_2d(base + S::kActOffset + h * (S::kTokens * 128), act_map,
+                                first_block * kScaleBlock + h * 64, act_row_of(0), &act_full[slot]);
             }
+        } else {
+#pragma unroll
+            for (int j = 0; j < S::kActChunks; ++j)
+                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {
+                    const bool valid = !kTail || S::act_copy_chunk(tid, j) / kChunksPerBlock < blocks;
+                    cp_async_16(base + S::kActOffset + act_copy_offset(j),
+                                valid ? act_src[j] + first_block * (kScaleBlock * S::kActValueBytes) : act,
+                                valid ? act_src_bytes[j] : 0);
+                }
+        }
         if (S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
             const int valid_blocks = kTail ? min(4, max(0, blocks - 4 * act_scale_chunk)) : 4;
             const bool valid = act_scale_row >= 0 && valid_blocks > 0;
@@ -897,9 +951,9 @@ __device__ __forceinline__ bool gemm_mainloop(
     auto load_stage = [&](int slot) {
         const int blocks = k_blocks - first_block;   // CTA-uniform; at least SB but in the tail
         if (blocks >= SB)
-            copy_stage(false, stage_base(slot), blocks);
+            copy_stage(false, slot, blocks);
         else
-            copy_stage(true, stage_base(slot), blocks);
+            copy_stage(true, slot, blocks);
         first_block += SB;
         if (first_block >= k_blocks) {
             first_block = 0;
@@ -1183,7 +1237,10 @@ __device__ __forceinline__ bool gemm_mainloop(
             mbarrier_wait(&full[s % kRing], (s / kRing) & 1);
         else
             cp_async_wait<kAhead - 1>();
-        if constexpr (S::kWgmma) fence_async_shared();
+        if constexpr (kActTma)
+            mbarrier_wait(&act_full[s % kRing], (s / kRing) & 1);
+        else if constexpr (S::kWgmma)
+            fence_async_shared();
         // kVote: whether any of the stage's weight scales is above
         // kNarrowLimit: the slower exact path. (Otherwise the path is fixed,
         // and only the stage's barrier is left.) The whole CTA takes one
@@ -1414,9 +1471,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // hot path.
     float acc[MT][WT][4];
     auto mainloop = [&](auto path) {
-        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value>(
+        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, false>(
             acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
-            act_scale + first_block, token_of, d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
+            act_scale + first_block, token_of, nullptr, d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
     };
     constexpr ScalePath kFirstPass = S::kFp8 ? ScalePath::kNarrowChecked : ScalePath::kVote;
     if (mainloop(std::integral_constant<ScalePath, kFirstPass>()))
@@ -1535,7 +1592,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const uint8_t* __restrict__ inter, const float* __restrict__ inter_scale,
         const int* __restrict__ sorted_tokens, const float* __restrict__ sorted_weights,
         const int* __restrict__ expert_offsets, const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator) {
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
+        const __grid_constant__ TensorMap inter_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
@@ -1580,9 +1638,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote>(acc, smem, weight, scale, weight_row_of, inter,
-                                                              inter_scale, row_of, d_expert_pad, k_blocks,
-                                                              cta_tiles, kRows, add_tile);
+    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kAsyncStages>(
+        acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, &inter_map, d_expert_pad, k_blocks,
+        cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
 }
 
@@ -1623,7 +1681,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
         int, uint8_t*, float*, float2*, int);                                                             \
     template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
-        int, int, int, int, int, float*);
+        int, int, int, int, int, float*, const __grid_constant__ TensorMap);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
@@ -1650,6 +1708,9 @@ HOST_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#if !defined(USE_ROCM)
+#include <cudaTypedefs.h>
+#endif
 #include <map>
 #include <mutex>
 #include <set>
@@ -1716,6 +1777,35 @@ void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, int
     kernel<<<grid, block, smem, stream>>>(args...);
     MOE_CUDA_CHECK(cudaGetLastError());
 #endif
+}
+
+// The tensor map through which stage 2's bf16 warpgroup-MMA CTAs load their
+// activations with TMA (gemm_mainloop's kActTma): rows of `values` bf16
+// values, row_values apart (what lies past `values`, and past the last row,
+// reads as zero), in boxes of 64 values x box_rows rows in the 128-byte
+// swizzle of the GEMM's shared-memory layout (GemmShape::act_offset).
+TensorMap act_tensor_map(const void* base, int rows, int values, int row_values, int box_rows) {
+    TensorMap map{};
+#if !defined(USE_ROCM)
+    using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+    static const Encode encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                        &found));
+        TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn, "moe_mxfp4: the driver has no cuTensorMapEncodeTiled");
+        return reinterpret_cast<Encode>(fn);
+    }();
+    const cuuint64_t dims[2] = {(cuuint64_t)values, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)row_values * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
+                                   box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(result == CUDA_SUCCESS, "moe_mxfp4: cuTensorMapEncodeTiled failed (", (int)result, ")");
+#endif
+    return map;
 }
 
 __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
@@ -1838,11 +1928,13 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
                                num_pairs, n_experts, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(k_blocks2, row_tiles);
+    const TensorMap inter_map = S2::kAsyncStages   // unused by the other configs
+        ? act_tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock, d_expert_pad, S2::kTokens) : TensorMap{};
     launch_after_previous(stage2, grid2, S2::kThreads, smem2, stream,
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
-        accumulator.data_ptr<float>());
+        accumulator.data_ptr<float>(), inter_map);
 }
 
 }  // namespace moe
