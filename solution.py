@@ -630,7 +630,7 @@ __device__ __forceinline__ void cp_async_arrive(uint64_t* barrier) {
 }
 // TMA (sm_90): this thread's arrival on the barrier, with `bytes` more for
 // its phase to wait for; then tma_load_2d copies the box of `map` at
-// element x of row y to shared memory, the barrier counting its bytes.
+// byte x of row y (maps of bytes) to shared memory, the barrier counting its bytes.
 // Box bytes past the tensor's edges are zero.
 __device__ __forceinline__ void mbarrier_arrive_expecting(uint64_t* barrier, uint32_t bytes) {
 #ifdef MOE_HAS_WGMMA
@@ -694,9 +694,19 @@ struct GemmShape {
         return kTwoWarpgroupTiles ? (warp % kRowWarps) / 4 * 128 + warp % 4 * 16 : (warp % kRowWarps) * kWarpRows;
     }
     static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * WT * 8; }
-    // Row strides padded by 16 bytes, so that the eight 16-byte rows an
-    // ldmatrix phase reads fall in eight different bank groups.
-    static constexpr int kWeightStride = SB * 16 + 16;
+    // A stage's weight rows, SB 16-byte chunks each, so that the eight
+    // 16-byte rows an ldmatrix phase reads fall in eight different bank
+    // groups: for warpgroup-MMA configs dense, chunk c of row r at chunk c ^
+    // weight_swizzle(r), TMA's 128-byte (SB 8) or 64-byte (SB 4) swizzle,
+    // which stage 2 loads them with; otherwise rows padded by 16 bytes.
+    static_assert(!WG || SB == 4 || SB == 8, "warpgroup-MMA stages of 4 or 8 blocks");
+    static constexpr int kWeightStride = WG ? SB * 16 : SB * 16 + 16;
+    static __device__ __forceinline__ int weight_swizzle(int row) {
+        return !WG ? 0 : SB == 8 ? row & 7 : (row >> 1) & 3;
+    }
+    static __device__ __forceinline__ int weight_offset(int row, int chunk) {
+        return row * kWeightStride + ((chunk ^ weight_swizzle(row)) << 4);
+    }
     static constexpr int kActValueBytes = FP8 ? 1 : 2;
     static constexpr int kActStride = SB * kScaleBlock * 2 + 16;
     static constexpr int kWeightBytes = kRows * kWeightStride;
@@ -814,16 +824,18 @@ enum class ScalePath {
     kNarrowChecked,   // every stage narrow, no vote; each thread checks the scales it loads
     kWide,            // every stage wide
 };
-// kActTma (bf16 warpgroup MMAs, a tile's activations in consecutive rows of
-// act: stage 2): thread 0 loads each stage's activations with TMA through
-// act_map (see act_tensor_map), instead of every thread's copies.
-template <typename S, int kRing, bool kMbarriers, ScalePath kPath, bool kActTma, typename WeightRowOf,
+// kTma (stage 2 of warpgroup-MMA configs: the CTA's weight rows consecutive
+// rows of weight_map from weight_map_row on, a tile's activations
+// consecutive rows of act): thread 0 loads each stage's weights, and for
+// bf16 its activations, with TMA (see tensor_map) instead of every thread's
+// copies; the weight scales (and e4m3 activations) stay cp.async.
+template <typename S, int kRing, bool kMbarriers, ScalePath kPath, bool kTma, typename WeightRowOf,
           typename ActRowOf, typename TileDone>
 __device__ __forceinline__ bool gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
-        const TensorMap* act_map, int k_padded, int k_blocks,
+        const TensorMap* weight_map, int weight_map_row, const TensorMap* act_map, int k_padded, int k_blocks,
         int row_tiles, int row_tile_step, TileDone tile_done) {
     constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
@@ -836,7 +848,7 @@ __device__ __forceinline__ bool gemm_mainloop(
     const int scale_len = k_padded / kScaleBlock;
     // Where copy j of this thread lands within a stage's weights and activations.
     auto weight_copy_offset = [&](int j) {
-        return (tid / SB + j * (S::kThreads / SB)) * S::kWeightStride + (tid % SB) * 16;
+        return S::weight_offset(tid / SB + j * (S::kThreads / SB), tid % SB);
     };
     auto act_copy_offset = [&](int j) { return S::act_offset(S::act_copy_token(tid, j), S::act_copy_chunk(tid, j)); };
 
@@ -892,12 +904,13 @@ __device__ __forceinline__ bool gemm_mainloop(
     // and each copy tests its own (copy_stage is called with a constant
     // kTail, so the other stages' copies test nothing); copies of missing
     // blocks read nothing, from a valid address.
-    // kActTma: act_full[slot] counts the TMA bytes of the slot's activations.
-    static_assert(!kActTma || (S::kWgmma && !S::kFp8), "TMA activations: bf16 warpgroup-MMA configs");
-    __shared__ uint64_t act_full[kActTma ? kRing : 1];
-    if constexpr (kActTma) {
+    // kTma: tma_full[slot] counts the TMA bytes of the slot's stage.
+    static_assert(!kTma || S::kWgmma, "TMA stages: warpgroup-MMA configs");
+    constexpr bool kActTma = kTma && !S::kFp8;
+    __shared__ uint64_t tma_full[kTma ? kRing : 1];
+    if constexpr (kTma) {
         if (tid == 0)
-            for (int j = 0; j < kRing; ++j) mbarrier_init(&act_full[j], 1);
+            for (int j = 0; j < kRing; ++j) mbarrier_init(&tma_full[j], 1);
         fence_mbarrier_init();
         __syncthreads();
     }
@@ -907,11 +920,26 @@ __device__ __forceinline__ bool gemm_mainloop(
         const size_t weight_offset = (size_t)tile_row * (k_padded / 2) + first_block * 16;
         const size_t scale_offset = (size_t)tile_row * scale_len + first_block;
         const bool weight_valid = !kTail || tid % SB < blocks;
+        if constexpr (kTma) {
+            // Whole boxes even in the tail: the maps read past the GEMM's K
+            // as zero.
+            if (tid == 0) {
+                mbarrier_arrive_expecting(&tma_full[slot], S::kWeightBytes + (kActTma ? S::kActBytes : 0));
+                tma_load_2d(base + S::kWeightOffset, weight_map, first_block * 16, weight_map_row + tile_row,
+                            &tma_full[slot]);
+                if constexpr (kActTma)
 #pragma unroll
-        for (int j = 0; j < S::kWeightChunks; ++j)
-            cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
-                        weight_valid ? weight_src + j * weight_src_stride + weight_offset : weight,
-                        weight_valid ? 16 : 0);
+                    for (int h = 0; h < SB * kScaleBlock / 64; ++h)
+                        tma_load_2d(base + S::kActOffset + h * (S::kTokens * 128), act_map,
+                                    (first_block * kScaleBlock + h * 64) * 2, act_row_of(0), &tma_full[slot]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < S::kWeightChunks; ++j)
+                cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
+                            weight_valid ? weight_src + j * weight_src_stride + weight_offset : weight,
+                            weight_valid ? 16 : 0);
+        }
         if (tid < kRows)
 #pragma unroll
             for (int c = 0; c < SB; c += kScaleCopy) {
@@ -921,17 +949,7 @@ __device__ __forceinline__ bool gemm_mainloop(
                                            valid_bytes);
             }
         constexpr int kChunksPerBlock = kScaleBlock * S::kActValueBytes / 16;
-        if constexpr (kActTma) {
-            // 64-value boxes of the tile's rows, whole even in the tail: the
-            // map reads past the K of the GEMM as zero.
-            if (tid == 0) {
-                mbarrier_arrive_expecting(&act_full[slot], S::kActBytes);
-#pragma unroll
-                for (int h = 0; h < SB * kScaleBlock / 64; ++h)
-                    tma_load_2d(base + S::kActOffset + h * (S::kTokens * 128), act_map,
-                                first_block * kScaleBlock + h * 64, act_row_of(0), &act_full[slot]);
-            }
-        } else {
+        if constexpr (!kActTma) {
 #pragma unroll
             for (int j = 0; j < S::kActChunks; ++j)
                 if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {
@@ -976,8 +994,8 @@ __device__ __forceinline__ bool gemm_mainloop(
     auto load_weight_words = [&](uint32_t (&words)[MT][4], const uint8_t* w_s, int bp) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            ldmatrix_x4(words[mt], w_s + (first_row + mt * S::kMTileStride + (lane & 15)) * S::kWeightStride
-                                   + (bp + (lane >> 4)) * 16);
+            ldmatrix_x4(words[mt], w_s + S::weight_offset(first_row + mt * S::kMTileStride + (lane & 15),
+                                                          bp + (lane >> 4)));
     };
     auto load_stage_fragments = [&](int slot) {
         const uint8_t* ws_s = stage_base(slot) + S::kScaleOffset;
@@ -1237,10 +1255,8 @@ __device__ __forceinline__ bool gemm_mainloop(
             mbarrier_wait(&full[s % kRing], (s / kRing) & 1);
         else
             cp_async_wait<kAhead - 1>();
-        if constexpr (kActTma)
-            mbarrier_wait(&act_full[s % kRing], (s / kRing) & 1);
-        else if constexpr (S::kWgmma)
-            fence_async_shared();
+        if constexpr (kTma) mbarrier_wait(&tma_full[s % kRing], (s / kRing) & 1);
+        if constexpr (S::kWgmma && !kActTma) fence_async_shared();   // activations copied by cp.async
         // kVote: whether any of the stage's weight scales is above
         // kNarrowLimit: the slower exact path. (Otherwise the path is fixed,
         // and only the stage's barrier is left.) The whole CTA takes one
@@ -1473,7 +1489,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     auto mainloop = [&](auto path) {
         return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, false>(
             acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
-            act_scale + first_block, token_of, nullptr, d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
+            act_scale + first_block, token_of, nullptr, 0, nullptr, d_hidden_pad, k_blocks, 1, 0,
+            [](float (&)[MT][WT][4], int) {});
     };
     constexpr ScalePath kFirstPass = S::kFp8 ? ScalePath::kNarrowChecked : ScalePath::kVote;
     if (mainloop(std::integral_constant<ScalePath, kFirstPass>()))
@@ -1593,7 +1610,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const int* __restrict__ sorted_tokens, const float* __restrict__ sorted_weights,
         const int* __restrict__ expert_offsets, const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
-        const __grid_constant__ TensorMap inter_map) {
+        const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
@@ -1638,9 +1655,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kAsyncStages>(
-        acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, &inter_map, d_expert_pad, k_blocks,
-        cta_tiles, kRows, add_tile);
+    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kWgmma>(
+        acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, &weight_map,
+        tile.expert * d_hidden_pad + row0, &inter_map, d_expert_pad, k_blocks, cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
 }
 
@@ -1681,7 +1698,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
         int, uint8_t*, float*, float2*, int);                                                             \
     template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
-        int, int, int, int, int, float*, const __grid_constant__ TensorMap);
+        int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
@@ -1779,12 +1796,13 @@ void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, int
 #endif
 }
 
-// The tensor map through which stage 2's bf16 warpgroup-MMA CTAs load their
-// activations with TMA (gemm_mainloop's kActTma): rows of `values` bf16
-// values, row_values apart (what lies past `values`, and past the last row,
-// reads as zero), in boxes of 64 values x box_rows rows in the 128-byte
-// swizzle of the GEMM's shared-memory layout (GemmShape::act_offset).
-TensorMap act_tensor_map(const void* base, int rows, int values, int row_values, int box_rows) {
+// A tensor map through which stage 2's warpgroup-MMA CTAs load a stage with
+// TMA (gemm_mainloop's kTma): rows of `bytes` bytes, row_bytes apart (what
+// lies past `bytes`, and past the last row, reads as zero), in boxes of
+// box_bytes x box_rows rows in the swizzle of the GEMM's shared-memory
+// layout (box_bytes 128: 128-byte swizzle, GemmShape::act_offset and
+// weight_offset with 8-block stages; 64: 64-byte, weight_offset with 4).
+TensorMap tensor_map(const void* base, int64_t rows, int bytes, int row_bytes, int box_bytes, int box_rows) {
     TensorMap map{};
 #if !defined(USE_ROCM)
     using Encode = PFN_cuTensorMapEncodeTiled_v12000;
@@ -1796,12 +1814,14 @@ TensorMap act_tensor_map(const void* base, int rows, int values, int row_values,
         TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn, "moe_mxfp4: the driver has no cuTensorMapEncodeTiled");
         return reinterpret_cast<Encode>(fn);
     }();
-    const cuuint64_t dims[2] = {(cuuint64_t)values, (cuuint64_t)rows};
-    const cuuint64_t strides[1] = {(cuuint64_t)row_values * 2};
-    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+    TORCH_CHECK(box_bytes == 64 || box_bytes == 128, "moe_mxfp4: TMA boxes of 64 or 128 bytes");
+    const cuuint64_t dims[2] = {(cuuint64_t)bytes, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t box[2] = {(cuuint32_t)box_bytes, (cuuint32_t)box_rows};
     const cuuint32_t element_strides[2] = {1, 1};
-    const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
-                                   box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+    const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides,
+                                   box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                   box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     TORCH_CHECK(result == CUDA_SUCCESS, "moe_mxfp4: cuTensorMapEncodeTiled failed (", (int)result, ")");
 #endif
@@ -1928,13 +1948,20 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
                                num_pairs, n_experts, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(k_blocks2, row_tiles);
-    const TensorMap inter_map = S2::kAsyncStages   // unused by the other configs
-        ? act_tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock, d_expert_pad, S2::kTokens) : TensorMap{};
+    // Stage 2's TMA maps (warpgroup-MMA configs; the activations' for bf16 only):
+    // the weights as one row per output column of every expert.
+    const TensorMap weight_map = S2::kWgmma
+        ? tensor_map(down_weight.data_ptr<uint8_t>(), down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
+                     d_expert_pad / 2, SB * 16, kRows)
+        : TensorMap{};
+    const TensorMap inter_map = S2::kWgmma && !S2::kFp8
+        ? tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock * 2, d_expert_pad * 2, 128, S2::kTokens)
+        : TensorMap{};
     launch_after_previous(stage2, grid2, S2::kThreads, smem2, stream,
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
-        accumulator.data_ptr<float>(), inter_map);
+        accumulator.data_ptr<float>(), weight_map, inter_map);
 }
 
 }  // namespace moe
