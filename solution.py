@@ -644,6 +644,13 @@ __device__ __forceinline__ void mbarrier_arrive_expecting(uint64_t* barrier, uin
                  :: "r"(smem_addr(barrier)), "r"(bytes) : "memory");
 #endif
 }
+// mbarrier_arrive_expecting's bytes without the arrival.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, uint32_t bytes) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
+                 :: "r"(smem_addr(barrier)), "r"(bytes) : "memory");
+#endif
+}
 __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int x, int y, uint64_t* barrier) {
 #ifdef MOE_HAS_WGMMA
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
@@ -830,18 +837,27 @@ enum class ScalePath {
     kNarrowChecked,   // every stage narrow, no vote; each thread checks the scales it loads
     kWide,            // every stage wide
 };
-// kTma (stage 2 of warpgroup-MMA configs: the CTA's weight rows consecutive
-// rows of weight_map from weight_map_row on, a tile's activations
-// consecutive rows of act): thread 0 loads each stage's weights, and for
-// bf16 its activations, with TMA (see tensor_map) instead of every thread's
-// copies; the weight scales (and e4m3 activations) stay cp.async.
-template <typename S, int kRing, bool kMbarriers, ScalePath kPath, bool kTma, typename WeightRowOf,
-          typename ActRowOf, typename TileDone>
+// Where a CTA's weight rows lie in a TMA map (see tensor_map): box i of a
+// stage (kRows / boxes rows) from map row row + i * box_step, plus the row
+// tile's offset; x0 the byte of K at the CTA's first scale block.
+struct WeightBoxes {
+    const TensorMap* map;
+    int row, box_step, x0;
+};
+// kWeightBoxes > 0 (warpgroup-MMA configs): thread 0 loads each stage's
+// weights with TMA, that many boxes (weights.map), instead of every thread's
+// copies; with 2 boxes the local rows alternate 8 rows of box 0 and 8 of box
+// 1 (stage 1's gate and up rows; weight_smem_row), while each box lands
+// whole. kActTma (bf16 stage 2, a tile's activations consecutive rows of
+// act): its activations too (act_map). Weight scales, and other
+// activations, stay cp.async.
+template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kActTma,
+          typename WeightRowOf, typename ActRowOf, typename TileDone>
 __device__ __forceinline__ bool gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
-        const TensorMap* weight_map, int weight_map_row, const TensorMap* act_map, int k_padded, int k_blocks,
+        WeightBoxes weights, const TensorMap* act_map, int k_padded, int k_blocks,
         int row_tiles, int row_tile_step, TileDone tile_done) {
     constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
@@ -910,16 +926,15 @@ __device__ __forceinline__ bool gemm_mainloop(
     // and each copy tests its own (copy_stage is called with a constant
     // kTail, so the other stages' copies test nothing); copies of missing
     // blocks read nothing, from a valid address.
-    // kTma: tma_full[slot] counts the TMA bytes of the slot's stage.
+    // A stage's TMA bytes land on its slot's full barrier (the mbarrier
+    // pipeline's, see below) or on tma_full[slot].
+    constexpr bool kTma = kWeightBoxes > 0;
     static_assert(!kTma || S::kWgmma, "TMA stages: warpgroup-MMA configs");
-    constexpr bool kActTma = kTma && !S::kFp8;
-    __shared__ uint64_t tma_full[kTma ? kRing : 1];
-    if constexpr (kTma) {
-        if (tid == 0)
-            for (int j = 0; j < kRing; ++j) mbarrier_init(&tma_full[j], 1);
-        fence_mbarrier_init();
-        __syncthreads();
-    }
+    static_assert(!kActTma || (kTma && !S::kFp8), "TMA activations: bf16, with TMA weights");
+    static_assert(kWeightBoxes == 0 || kWeightBoxes == 1 || kWeightBoxes == 2, "weight boxes");
+    __shared__ uint64_t full[kMbarriers ? kRing : 1], empty[kMbarriers ? kRing : 1];
+    __shared__ uint64_t tma_full[kTma && !kMbarriers ? kRing : 1];
+    auto stage_tma_barrier = [&](int slot) { return kMbarriers ? &full[slot] : &tma_full[slot]; };
     int first_block = 0, tile_row = 0;
     auto copy_stage = [&](const bool kTail, int slot, int blocks) {
         uint8_t* base = stage_base(slot);
@@ -928,16 +943,25 @@ __device__ __forceinline__ bool gemm_mainloop(
         const bool weight_valid = !kTail || tid % SB < blocks;
         if constexpr (kTma) {
             // Whole boxes even in the tail: the maps read past the GEMM's K
-            // as zero.
+            // as zero. (A K slice of stage 1 other than the last has whole
+            // stages.) The mbarrier pipeline's full barrier counts every
+            // thread's arrival already: its bytes come without one.
             if (tid == 0) {
-                mbarrier_arrive_expecting(&tma_full[slot], S::kWeightBytes + (kActTma ? S::kActBytes : 0));
-                tma_load_2d(base + S::kWeightOffset, weight_map, first_block * 16, weight_map_row + tile_row,
-                            &tma_full[slot]);
+                uint64_t* barrier = stage_tma_barrier(slot);
+                const uint32_t bytes = S::kWeightBytes + (kActTma ? S::kActBytes : 0);
+                if constexpr (kMbarriers)
+                    mbarrier_expect_bytes(barrier, bytes);
+                else
+                    mbarrier_arrive_expecting(barrier, bytes);
+#pragma unroll
+                for (int i = 0; i < kWeightBoxes; ++i)
+                    tma_load_2d(base + S::kWeightOffset + i * (kRows / kWeightBoxes) * S::kWeightStride, weights.map,
+                                weights.x0 + first_block * 16, weights.row + i * weights.box_step + tile_row, barrier);
                 if constexpr (kActTma)
 #pragma unroll
                     for (int h = 0; h < SB * kScaleBlock / 64; ++h)
                         tma_load_2d(base + S::kActOffset + h * (S::kTokens * 128), act_map,
-                                    (first_block * kScaleBlock + h * 64) * 2, act_row_of(0), &tma_full[slot]);
+                                    (first_block * kScaleBlock + h * 64) * 2, act_row_of(0), barrier);
             }
         } else {
 #pragma unroll
@@ -996,12 +1020,16 @@ __device__ __forceinline__ bool gemm_mainloop(
     // 32-token stage 1 is at its register cap).
     __shared__ int saw_wide_scale;
     if (kPath == ScalePath::kNarrowChecked && tid == 0) saw_wide_scale = 0;   // before the first stage's barrier
+    // The shared-memory row of local weight row r (two TMA boxes: see kWeightBoxes).
+    auto weight_smem_row = [](int r) {
+        return kWeightBoxes == 2 ? ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7) : r;
+    };
     uint32_t w[MT][4];   // per m-tile: word t of rows g and g+8 of the current block pair
     auto load_weight_words = [&](uint32_t (&words)[MT][4], const uint8_t* w_s, int bp) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            ldmatrix_x4(words[mt], w_s + S::weight_offset(first_row + mt * S::kMTileStride + (lane & 15),
-                                                          bp + (lane >> 4)));
+            ldmatrix_x4(words[mt], w_s + S::weight_offset(weight_smem_row(first_row + mt * S::kMTileStride
+                                                                          + (lane & 15)), bp + (lane >> 4)));
     };
     auto load_stage_fragments = [&](int slot) {
         const uint8_t* ws_s = stage_base(slot) + S::kScaleOffset;
@@ -1233,12 +1261,15 @@ __device__ __forceinline__ bool gemm_mainloop(
     static_assert(!kMbarriers || (S::kFp8 && kRing > 2), "mbarrier pipeline: e4m3 configs, 3 or more slots");
     constexpr int kAhead = S::kAsyncStages || kMbarriers ? kRing - 2 : kRing - 1;
     static_assert(kAhead >= 1, "pipeline depth");
-    __shared__ uint64_t full[kMbarriers ? kRing : 1], empty[kMbarriers ? kRing : 1];
-    if constexpr (kMbarriers) {
+    if constexpr (kMbarriers || kTma) {
         if (tid == 0)
             for (int j = 0; j < kRing; ++j) {
-                mbarrier_init(&full[j], S::kThreads);
-                mbarrier_init(&empty[j], S::kThreads);
+                if constexpr (kMbarriers) {
+                    mbarrier_init(&full[j], S::kThreads);
+                    mbarrier_init(&empty[j], S::kThreads);
+                } else {
+                    mbarrier_init(&tma_full[j], 1);
+                }
             }
         fence_mbarrier_init();
         __syncthreads();
@@ -1261,7 +1292,7 @@ __device__ __forceinline__ bool gemm_mainloop(
             mbarrier_wait(&full[s % kRing], (s / kRing) & 1);
         else
             cp_async_wait<kAhead - 1>();
-        if constexpr (kTma) mbarrier_wait(&tma_full[s % kRing], (s / kRing) & 1);
+        if constexpr (kTma && !kMbarriers) mbarrier_wait(&tma_full[s % kRing], (s / kRing) & 1);
         if constexpr (S::kWgmma && !kActTma) fence_async_shared();   // activations copied by cp.async
         // kVote: whether any of the stage's weight scales is above
         // kNarrowLimit: the slower exact path. (Otherwise the path is fixed,
@@ -1466,7 +1497,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
-        uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs) {
+        uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs,
+        const __grid_constant__ TensorMap weight_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
@@ -1493,9 +1525,14 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // hot path.
     float acc[MT][WT][4];
     auto mainloop = [&](auto path) {
-        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, false>(
+        // Warpgroup-MMA configs: the weights by TMA, the gate rows of the
+        // CTA's columns and then their up rows, d_expert_pad map rows later.
+        const WeightBoxes boxes = {&weight_map, (int)(tile.expert * expert_rows) + col0, d_expert_pad,
+                                   first_block * 16};
+        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kWgmma ? 2 : 0,
+                             false>(
             acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
-            act_scale + first_block, token_of, nullptr, 0, nullptr, d_hidden_pad, k_blocks, 1, 0,
+            act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0,
             [](float (&)[MT][WT][4], int) {});
     };
     constexpr ScalePath kFirstPass = S::kFp8 ? ScalePath::kNarrowChecked : ScalePath::kVote;
@@ -1661,9 +1698,10 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kWgmma>(
-        acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, &weight_map,
-        tile.expert * d_hidden_pad + row0, &inter_map, d_expert_pad, k_blocks, cta_tiles, kRows, add_tile);
+    const WeightBoxes boxes = {&weight_map, tile.expert * d_hidden_pad + row0, 0, 0};
+    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kWgmma ? 1 : 0, S::kWgmma && !S::kFp8>(
+        acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, boxes, &inter_map, d_expert_pad,
+        k_blocks, cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
 }
 
@@ -1701,7 +1739,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        int, uint8_t*, float*, float2*, int);                                                             \
+        int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);                          \
     template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
         int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
@@ -1937,11 +1975,17 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
     float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
     const int smem1 = shared_bytes1(std::min(split_blocks, k_blocks1));
+    // Stage 1's TMA map (warpgroup-MMA configs): every expert's gate and up
+    // rows, in boxes of half a CTA's rows.
+    const TensorMap weight_map1 = S1::kWgmma
+        ? tensor_map(gate_up_weight.data_ptr<uint8_t>(), gate_up_weight.size(0) * gate_up_weight.size(1),
+                     k_blocks1 * 16, d_hidden_pad / 2, SB * 16, kRows / 2)
+        : TensorMap{};
     launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S1::kThreads, smem1, stream,
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
         act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
-        partial_ptr, num_pairs);
+        partial_ptr, num_pairs, weight_map1);
     if (splits > 1)
         launch_after_previous(swiglu_quantize_kernel<FP8>, dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
             kSwigluWarps * 32, 0, stream,
