@@ -653,7 +653,8 @@ __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, uint32_
 }
 __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int x, int y, uint64_t* barrier) {
 #ifdef MOE_HAS_WGMMA
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];\n"
                  :: "r"(smem_addr(dst)), "l"(map), "r"(x), "r"(y), "r"(smem_addr(barrier)) : "memory");
 #else
     __trap();
@@ -955,8 +956,9 @@ __device__ __forceinline__ bool gemm_mainloop(
                     mbarrier_arrive_expecting(barrier, bytes);
 #pragma unroll
                 for (int i = 0; i < kWeightBoxes; ++i)
-                    tma_load_2d(base + S::kWeightOffset + i * (kRows / kWeightBoxes) * S::kWeightStride, weights.map,
-                                weights.x0 + first_block * 16, weights.row + i * weights.box_step + tile_row, barrier);
+                    tma_load_2d(base + S::kWeightOffset + i * (kRows / kWeightBoxes) * S::kWeightStride,
+                                weights.map, weights.x0 + first_block * 16,
+                                weights.row + i * weights.box_step + tile_row, barrier);
                 if constexpr (kActTma)
 #pragma unroll
                     for (int h = 0; h < SB * kScaleBlock / 64; ++h)
@@ -1840,12 +1842,13 @@ void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, int
 #endif
 }
 
-// A tensor map through which stage 2's warpgroup-MMA CTAs load a stage with
-// TMA (gemm_mainloop's kTma): rows of `bytes` bytes, row_bytes apart (what
-// lies past `bytes`, and past the last row, reads as zero), in boxes of
-// box_bytes x box_rows rows in the swizzle of the GEMM's shared-memory
-// layout (box_bytes 128: 128-byte swizzle, GemmShape::act_offset and
-// weight_offset with 8-block stages; 64: 64-byte, weight_offset with 4).
+// A tensor map through which the warpgroup-MMA GEMMs load a stage with TMA
+// (gemm_mainloop's kWeightBoxes, kActTma): rows of `bytes` bytes,
+// row_bytes apart (what lies past `bytes`, and past the last row, reads as
+// zero), in boxes of box_bytes x box_rows rows in the swizzle of the GEMM's
+// shared-memory layout (box_bytes 128: 128-byte swizzle,
+// GemmShape::act_offset and weight_offset with 8-block stages; 64:
+// 64-byte, weight_offset with 4).
 TensorMap tensor_map(const void* base, int64_t rows, int bytes, int row_bytes, int box_bytes, int box_rows) {
     TensorMap map{};
 #if !defined(USE_ROCM)
