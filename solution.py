@@ -123,11 +123,17 @@ MOE_HD float e2m1_value(uint32_t code) {
 // bf16 bit patterns of value * 2^-126 in the low and high halves (magnitude
 // bits to bf16 bits 6..8, sign to bit 15; code 1, 0.5, becomes a subnormal).
 // Multiplying by the block's weight_multiplier then gives value * scale.
+// The pair's two codes (a nibble each, 16 bits apart) are multiplied by a
+// constant with two bits set, which places copies of each at two shifts:
+// its magnitude bits land at bits 6..8 (22..24) and its sign at bit 15 (31),
+// the copies never overlap (so no carries), and a mask keeps those bits.
+// Three integer operations per pair, the multiply on the FMA pipe (the
+// conversion is the bf16 GEMMs' busiest work, on the ALU pipe), where a
+// shift-and-mask form took four, all on the ALU.
 template <int J>
 MOE_HD uint32_t fp4_pair_to_bf16(uint32_t word) {
-    const uint32_t magnitude = (J == 0 ? word << 6 : J == 1 ? word << 2 : J == 2 ? word >> 2 : word >> 6) & 0x01C001C0u;
-    const uint32_t sign = J == 0 ? word << 12 : J == 1 ? word << 8 : J == 2 ? word << 4 : word;
-    return (sign & 0x80008000u) | magnitude;
+    const uint32_t codes = (J < 2 ? word : word >> 8) & (J % 2 == 0 ? 0x000F000Fu : 0x00F000F0u);
+    return codes * (J % 2 == 0 ? 0x1040u : 0x0104u) & 0x81C081C0u;
 }
 // Both halves of a bf16x2 set to 2^(field - 127), field in [0, 254].
 MOE_HD uint32_t bf16x2_pow2(uint32_t field) {
@@ -414,7 +420,18 @@ GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
     for c in GEMM_CONFIGS) + "\n"
 
 GEMM_SOURCE = r"""
+// Tensor maps for TMA copies (CUDA only: the bf16 warpgroup-MMA configs that
+// use them are sm_90-only; elsewhere an opaque stand-in of the same size).
+#if !defined(USE_ROCM)
+#include <cuda.h>
+#endif
 namespace moe {
+#if !defined(USE_ROCM)
+using TensorMap = CUtensorMap;
+#else
+struct alignas(64) TensorMap { unsigned char bytes[128]; };
+#define __grid_constant__
+#endif
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define MOE_HAS_BF16_MMA 1
@@ -617,6 +634,32 @@ __device__ __forceinline__ void cp_async_arrive(uint64_t* barrier) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(barrier)) : "memory");
 #endif
 }
+// TMA (sm_90): this thread's arrival on the barrier, with `bytes` more for
+// its phase to wait for; then tma_load_2d copies the box of `map` at
+// byte x of row y (maps of bytes) to shared memory, the barrier counting its bytes.
+// Box bytes past the tensor's edges are zero.
+__device__ __forceinline__ void mbarrier_arrive_expecting(uint64_t* barrier, uint32_t bytes) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(smem_addr(barrier)), "r"(bytes) : "memory");
+#endif
+}
+// mbarrier_arrive_expecting's bytes without the arrival.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, uint32_t bytes) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
+                 :: "r"(smem_addr(barrier)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int x, int y, uint64_t* barrier) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(smem_addr(dst)), "l"(map), "r"(x), "r"(y), "r"(smem_addr(barrier)) : "memory");
+#else
+    __trap();
+#endif
+}
 // Until the barrier's phase of the given parity has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, int parity) {
 #ifdef MOE_HAS_WGMMA
@@ -665,9 +708,19 @@ struct GemmShape {
         return kTwoWarpgroupTiles ? (warp % kRowWarps) / 4 * 128 + warp % 4 * 16 : (warp % kRowWarps) * kWarpRows;
     }
     static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * WT * 8; }
-    // Row strides padded by 16 bytes, so that the eight 16-byte rows an
-    // ldmatrix phase reads fall in eight different bank groups.
-    static constexpr int kWeightStride = SB * 16 + 16;
+    // A stage's weight rows, SB 16-byte chunks each, so that the eight
+    // 16-byte rows an ldmatrix phase reads fall in eight different bank
+    // groups: for warpgroup-MMA configs dense, chunk c of row r at chunk c ^
+    // weight_swizzle(r), TMA's 128-byte (SB 8) or 64-byte (SB 4) swizzle,
+    // which stage 2 loads them with; otherwise rows padded by 16 bytes.
+    static_assert(!WG || SB == 4 || SB == 8, "warpgroup-MMA stages of 4 or 8 blocks");
+    static constexpr int kWeightStride = WG ? SB * 16 : SB * 16 + 16;
+    static __device__ __forceinline__ int weight_swizzle(int row) {
+        return !WG ? 0 : SB == 8 ? row & 7 : (row >> 1) & 3;
+    }
+    static __device__ __forceinline__ int weight_offset(int row, int chunk) {
+        return row * kWeightStride + ((chunk ^ weight_swizzle(row)) << 4);
+    }
     static constexpr int kActValueBytes = FP8 ? 1 : 2;
     static constexpr int kActStride = SB * kScaleBlock * 2 + 16;
     static constexpr int kWeightBytes = kRows * kWeightStride;
@@ -785,13 +838,27 @@ enum class ScalePath {
     kNarrowChecked,   // every stage narrow, no vote; each thread checks the scales it loads
     kWide,            // every stage wide
 };
-template <typename S, int kRing, bool kMbarriers, ScalePath kPath, typename WeightRowOf, typename ActRowOf,
-          typename TileDone>
+// Where a CTA's weight rows lie in a TMA map (see tensor_map): box i of a
+// stage (kRows / boxes rows) from map row row + i * box_step, plus the row
+// tile's offset; x0 the byte of K at the CTA's first scale block.
+struct WeightBoxes {
+    const TensorMap* map;
+    int row, box_step, x0;
+};
+// kWeightBoxes > 0 (warpgroup-MMA configs): thread 0 loads each stage's
+// weights with TMA, that many boxes (weights.map), instead of every thread's
+// copies; with 2 boxes the local rows alternate 8 rows of box 0 and 8 of box
+// 1 (stage 1's gate and up rows; weight_smem_row), while each box lands
+// whole. kActTma (bf16 stage 2, a tile's activations consecutive rows of
+// act): its activations too (act_map). Weight scales, and other
+// activations, stay cp.async.
+template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kActTma,
+          typename WeightRowOf, typename ActRowOf, typename TileDone>
 __device__ __forceinline__ bool gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
-        int k_padded, int k_blocks,
+        WeightBoxes weights, const TensorMap* act_map, int k_padded, int k_blocks,
         int row_tiles, int row_tile_step, TileDone tile_done) {
     constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
@@ -804,7 +871,7 @@ __device__ __forceinline__ bool gemm_mainloop(
     const int scale_len = k_padded / kScaleBlock;
     // Where copy j of this thread lands within a stage's weights and activations.
     auto weight_copy_offset = [&](int j) {
-        return (tid / SB + j * (S::kThreads / SB)) * S::kWeightStride + (tid % SB) * 16;
+        return S::weight_offset(tid / SB + j * (S::kThreads / SB), tid % SB);
     };
     auto act_copy_offset = [&](int j) { return S::act_offset(S::act_copy_token(tid, j), S::act_copy_chunk(tid, j)); };
 
@@ -860,16 +927,51 @@ __device__ __forceinline__ bool gemm_mainloop(
     // and each copy tests its own (copy_stage is called with a constant
     // kTail, so the other stages' copies test nothing); copies of missing
     // blocks read nothing, from a valid address.
+    // A stage's TMA bytes land on its slot's full barrier (the mbarrier
+    // pipeline's, see below) or on tma_full[slot].
+    constexpr bool kTma = kWeightBoxes > 0;
+    static_assert(!kTma || S::kWgmma, "TMA stages: warpgroup-MMA configs");
+    static_assert(!kActTma || (kTma && !S::kFp8), "TMA activations: bf16, with TMA weights");
+    static_assert(kWeightBoxes == 0 || kWeightBoxes == 1 || kWeightBoxes == 2, "weight boxes");
+    __shared__ uint64_t full[kMbarriers ? kRing : 1], empty[kMbarriers ? kRing : 1];
+    __shared__ uint64_t tma_full[kTma && !kMbarriers ? kRing : 1];
+    auto stage_tma_barrier = [&](int slot) { return kMbarriers ? &full[slot] : &tma_full[slot]; };
     int first_block = 0, tile_row = 0;
-    auto copy_stage = [&](const bool kTail, uint8_t* base, int blocks) {
+    auto copy_stage = [&](const bool kTail, int slot, int blocks) {
+        uint8_t* base = stage_base(slot);
         const size_t weight_offset = (size_t)tile_row * (k_padded / 2) + first_block * 16;
         const size_t scale_offset = (size_t)tile_row * scale_len + first_block;
         const bool weight_valid = !kTail || tid % SB < blocks;
+        if constexpr (kTma) {
+            // Whole boxes even in the tail: the maps read past the GEMM's K
+            // as zero. (A K slice of stage 1 other than the last has whole
+            // stages.) The mbarrier pipeline's full barrier counts every
+            // thread's arrival already: its bytes come without one.
+            if (tid == 0) {
+                uint64_t* barrier = stage_tma_barrier(slot);
+                const uint32_t bytes = S::kWeightBytes + (kActTma ? S::kActBytes : 0);
+                if constexpr (kMbarriers)
+                    mbarrier_expect_bytes(barrier, bytes);
+                else
+                    mbarrier_arrive_expecting(barrier, bytes);
 #pragma unroll
-        for (int j = 0; j < S::kWeightChunks; ++j)
-            cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
-                        weight_valid ? weight_src + j * weight_src_stride + weight_offset : weight,
-                        weight_valid ? 16 : 0);
+                for (int i = 0; i < kWeightBoxes; ++i)
+                    tma_load_2d(base + S::kWeightOffset + i * (kRows / kWeightBoxes) * S::kWeightStride,
+                                weights.map, weights.x0 + first_block * 16,
+                                weights.row + i * weights.box_step + tile_row, barrier);
+                if constexpr (kActTma)
+#pragma unroll
+                    for (int h = 0; h < SB * kScaleBlock / 64; ++h)
+                        tma_load_2d(base + S::kActOffset + h * (S::kTokens * 128), act_map,
+                                    (first_block * kScaleBlock + h * 64) * 2, act_row_of(0), barrier);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < S::kWeightChunks; ++j)
+                cp_async_16(base + S::kWeightOffset + weight_copy_offset(j),
+                            weight_valid ? weight_src + j * weight_src_stride + weight_offset : weight,
+                            weight_valid ? 16 : 0);
+        }
         if (tid < kRows)
 #pragma unroll
             for (int c = 0; c < SB; c += kScaleCopy) {
@@ -879,14 +981,16 @@ __device__ __forceinline__ bool gemm_mainloop(
                                            valid_bytes);
             }
         constexpr int kChunksPerBlock = kScaleBlock * S::kActValueBytes / 16;
+        if constexpr (!kActTma) {
 #pragma unroll
-        for (int j = 0; j < S::kActChunks; ++j)
-            if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {
-                const bool valid = !kTail || S::act_copy_chunk(tid, j) / kChunksPerBlock < blocks;
-                cp_async_16(base + S::kActOffset + act_copy_offset(j),
-                            valid ? act_src[j] + first_block * (kScaleBlock * S::kActValueBytes) : act,
-                            valid ? act_src_bytes[j] : 0);
-            }
+            for (int j = 0; j < S::kActChunks; ++j)
+                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {
+                    const bool valid = !kTail || S::act_copy_chunk(tid, j) / kChunksPerBlock < blocks;
+                    cp_async_16(base + S::kActOffset + act_copy_offset(j),
+                                valid ? act_src[j] + first_block * (kScaleBlock * S::kActValueBytes) : act,
+                                valid ? act_src_bytes[j] : 0);
+                }
+        }
         if (S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
             const int valid_blocks = kTail ? min(4, max(0, blocks - 4 * act_scale_chunk)) : 4;
             const bool valid = act_scale_row >= 0 && valid_blocks > 0;
@@ -897,9 +1001,9 @@ __device__ __forceinline__ bool gemm_mainloop(
     auto load_stage = [&](int slot) {
         const int blocks = k_blocks - first_block;   // CTA-uniform; at least SB but in the tail
         if (blocks >= SB)
-            copy_stage(false, stage_base(slot), blocks);
+            copy_stage(false, slot, blocks);
         else
-            copy_stage(true, stage_base(slot), blocks);
+            copy_stage(true, slot, blocks);
         first_block += SB;
         if (first_block >= k_blocks) {
             first_block = 0;
@@ -918,12 +1022,16 @@ __device__ __forceinline__ bool gemm_mainloop(
     // 32-token stage 1 is at its register cap).
     __shared__ int saw_wide_scale;
     if (kPath == ScalePath::kNarrowChecked && tid == 0) saw_wide_scale = 0;   // before the first stage's barrier
+    // The shared-memory row of local weight row r (two TMA boxes: see kWeightBoxes).
+    auto weight_smem_row = [](int r) {
+        return kWeightBoxes == 2 ? ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7) : r;
+    };
     uint32_t w[MT][4];   // per m-tile: word t of rows g and g+8 of the current block pair
     auto load_weight_words = [&](uint32_t (&words)[MT][4], const uint8_t* w_s, int bp) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            ldmatrix_x4(words[mt], w_s + (first_row + mt * S::kMTileStride + (lane & 15)) * S::kWeightStride
-                                   + (bp + (lane >> 4)) * 16);
+            ldmatrix_x4(words[mt], w_s + S::weight_offset(weight_smem_row(first_row + mt * S::kMTileStride
+                                                                          + (lane & 15)), bp + (lane >> 4)));
     };
     auto load_stage_fragments = [&](int slot) {
         const uint8_t* ws_s = stage_base(slot) + S::kScaleOffset;
@@ -1155,12 +1263,15 @@ __device__ __forceinline__ bool gemm_mainloop(
     static_assert(!kMbarriers || (S::kFp8 && kRing > 2), "mbarrier pipeline: e4m3 configs, 3 or more slots");
     constexpr int kAhead = S::kAsyncStages || kMbarriers ? kRing - 2 : kRing - 1;
     static_assert(kAhead >= 1, "pipeline depth");
-    __shared__ uint64_t full[kMbarriers ? kRing : 1], empty[kMbarriers ? kRing : 1];
-    if constexpr (kMbarriers) {
+    if constexpr (kMbarriers || kTma) {
         if (tid == 0)
             for (int j = 0; j < kRing; ++j) {
-                mbarrier_init(&full[j], S::kThreads);
-                mbarrier_init(&empty[j], S::kThreads);
+                if constexpr (kMbarriers) {
+                    mbarrier_init(&full[j], S::kThreads);
+                    mbarrier_init(&empty[j], S::kThreads);
+                } else {
+                    mbarrier_init(&tma_full[j], 1);
+                }
             }
         fence_mbarrier_init();
         __syncthreads();
@@ -1183,7 +1294,8 @@ __device__ __forceinline__ bool gemm_mainloop(
             mbarrier_wait(&full[s % kRing], (s / kRing) & 1);
         else
             cp_async_wait<kAhead - 1>();
-        if constexpr (S::kWgmma) fence_async_shared();
+        if constexpr (kTma && !kMbarriers) mbarrier_wait(&tma_full[s % kRing], (s / kRing) & 1);
+        if constexpr (S::kWgmma && !kActTma) fence_async_shared();   // activations copied by cp.async
         // kVote: whether any of the stage's weight scales is above
         // kNarrowLimit: the slower exact path. (Otherwise the path is fixed,
         // and only the stage's barrier is left.) The whole CTA takes one
@@ -1387,7 +1499,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
-        uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs) {
+        uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs,
+        const __grid_constant__ TensorMap weight_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
@@ -1414,9 +1527,15 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // hot path.
     float acc[MT][WT][4];
     auto mainloop = [&](auto path) {
-        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value>(
+        // Warpgroup-MMA configs: the weights by TMA, the gate rows of the
+        // CTA's columns and then their up rows, d_expert_pad map rows later.
+        const WeightBoxes boxes = {&weight_map, (int)(tile.expert * expert_rows) + col0, d_expert_pad,
+                                   first_block * 16};
+        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kWgmma ? 2 : 0,
+                             false>(
             acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
-            act_scale + first_block, token_of, d_hidden_pad, k_blocks, 1, 0, [](float (&)[MT][WT][4], int) {});
+            act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0,
+            [](float (&)[MT][WT][4], int) {});
     };
     constexpr ScalePath kFirstPass = S::kFp8 ? ScalePath::kNarrowChecked : ScalePath::kVote;
     if (mainloop(std::integral_constant<ScalePath, kFirstPass>()))
@@ -1535,7 +1654,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const uint8_t* __restrict__ inter, const float* __restrict__ inter_scale,
         const int* __restrict__ sorted_tokens, const float* __restrict__ sorted_weights,
         const int* __restrict__ expert_offsets, const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator) {
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
+        const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
@@ -1580,9 +1700,10 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     };
 
     float acc[MT][WT][4];
-    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote>(acc, smem, weight, scale, weight_row_of, inter,
-                                                              inter_scale, row_of, d_expert_pad, k_blocks,
-                                                              cta_tiles, kRows, add_tile);
+    const WeightBoxes boxes = {&weight_map, tile.expert * d_hidden_pad + row0, 0, 0};
+    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kWgmma ? 1 : 0, S::kWgmma && !S::kFp8>(
+        acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, boxes, &inter_map, d_expert_pad,
+        k_blocks, cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
 }
 
@@ -1620,10 +1741,10 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        int, uint8_t*, float*, float2*, int);                                                             \
+        int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);                          \
     template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
-        int, int, int, int, int, float*);
+        int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
@@ -1650,6 +1771,9 @@ HOST_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#if !defined(USE_ROCM)
+#include <cudaTypedefs.h>
+#endif
 #include <map>
 #include <mutex>
 #include <set>
@@ -1716,6 +1840,39 @@ void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, int
     kernel<<<grid, block, smem, stream>>>(args...);
     MOE_CUDA_CHECK(cudaGetLastError());
 #endif
+}
+
+// A tensor map through which the warpgroup-MMA GEMMs load a stage with TMA
+// (gemm_mainloop's kWeightBoxes, kActTma): rows of `bytes` bytes,
+// row_bytes apart (what lies past `bytes`, and past the last row, reads as
+// zero), in boxes of box_bytes x box_rows rows in the swizzle of the GEMM's
+// shared-memory layout (box_bytes 128: 128-byte swizzle,
+// GemmShape::act_offset and weight_offset with 8-block stages; 64:
+// 64-byte, weight_offset with 4).
+TensorMap tensor_map(const void* base, int64_t rows, int bytes, int row_bytes, int box_bytes, int box_rows) {
+    TensorMap map{};
+#if !defined(USE_ROCM)
+    using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+    static const Encode encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                        &found));
+        TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn, "moe_mxfp4: the driver has no cuTensorMapEncodeTiled");
+        return reinterpret_cast<Encode>(fn);
+    }();
+    TORCH_CHECK(box_bytes == 64 || box_bytes == 128, "moe_mxfp4: TMA boxes of 64 or 128 bytes");
+    const cuuint64_t dims[2] = {(cuuint64_t)bytes, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t box[2] = {(cuuint32_t)box_bytes, (cuuint32_t)box_rows};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides,
+                                   box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                   box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(result == CUDA_SUCCESS, "moe_mxfp4: cuTensorMapEncodeTiled failed (", (int)result, ")");
+#endif
+    return map;
 }
 
 __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
@@ -1821,11 +1978,17 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
     float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
     const int smem1 = shared_bytes1(std::min(split_blocks, k_blocks1));
+    // Stage 1's TMA map (warpgroup-MMA configs): every expert's gate and up
+    // rows, in boxes of half a CTA's rows.
+    const TensorMap weight_map1 = S1::kWgmma
+        ? tensor_map(gate_up_weight.data_ptr<uint8_t>(), gate_up_weight.size(0) * gate_up_weight.size(1),
+                     k_blocks1 * 16, d_hidden_pad / 2, SB * 16, kRows / 2)
+        : TensorMap{};
     launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S1::kThreads, smem1, stream,
         gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
         act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
-        partial_ptr, num_pairs);
+        partial_ptr, num_pairs, weight_map1);
     if (splits > 1)
         launch_after_previous(swiglu_quantize_kernel<FP8>, dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
             kSwigluWarps * 32, 0, stream,
@@ -1838,11 +2001,20 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
                                num_pairs, n_experts, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(k_blocks2, row_tiles);
+    // Stage 2's TMA maps (warpgroup-MMA configs; the activations' for bf16 only):
+    // the weights as one row per output column of every expert.
+    const TensorMap weight_map = S2::kWgmma
+        ? tensor_map(down_weight.data_ptr<uint8_t>(), down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
+                     d_expert_pad / 2, SB * 16, kRows)
+        : TensorMap{};
+    const TensorMap inter_map = S2::kWgmma && !S2::kFp8
+        ? tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock * 2, d_expert_pad * 2, 128, S2::kTokens)
+        : TensorMap{};
     launch_after_previous(stage2, grid2, S2::kThreads, smem2, stream,
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
-        accumulator.data_ptr<float>());
+        accumulator.data_ptr<float>(), weight_map, inter_map);
 }
 
 }  // namespace moe
