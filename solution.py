@@ -726,7 +726,9 @@ struct GemmShape {
     static constexpr int kWeightBytes = kRows * kWeightStride;
     static constexpr int kWeightScaleBytes = kRows * SB;
     static constexpr int kActBytes = WG ? kTokens * SB * kScaleBlock * kActValueBytes : kTokens * kActStride;
-    static constexpr int kActScaleBytes = FP8 ? kTokens * SB * 4 : 0;   // [token][block] fp32
+    // [block][token] fp32, so that the MMA's two tokens per thread (2t, 2t+1)
+    // are one 8-byte read.
+    static constexpr int kActScaleBytes = FP8 ? kTokens * SB * 4 : 0;
     // A stage: weights, their scales, activations (and FP8: their scales);
     // for warpgroup MMAs the activations first, in 1024-byte-aligned stages
     // (the swizzle below).
@@ -742,7 +744,7 @@ struct GemmShape {
     static constexpr int kActRowChunks = SB * kScaleBlock * kActValueBytes / 16;   // 16-byte chunks per token row
     static constexpr int kActCopies = kTokens * kActRowChunks;
     static constexpr int kActChunks = (kActCopies + kThreads - 1) / kThreads;
-    static constexpr int kActScaleCopies = kActScaleBytes / 16;
+    static constexpr int kActScaleCopies = kActScaleBytes / 4;   // one scale each
     static_assert(kThreads >= kRows && kRows * SB % kThreads == 0
                   && (kActCopies % kThreads == 0 || kThreads % kActRowChunks == 0)
                   && kActScaleCopies <= kThreads, "copy split");
@@ -900,13 +902,13 @@ __device__ __forceinline__ bool gemm_mainloop(
                    + S::act_copy_chunk(tid, j) * 16;
         act_src_bytes[j] = row >= 0 ? 16 : 0;
     }
-    // FP8: thread tid < kActScaleCopies copies 16 bytes (4 blocks) of token
-    // tid / (SB/4)'s activation scales.
-    constexpr int kActScaleChunks = SB / 4;
-    const int act_scale_token = tid / kActScaleChunks, act_scale_chunk = tid % kActScaleChunks;
+    // FP8: thread tid < kActScaleCopies copies the activation scale of token
+    // tid % kTokens for the stage's block tid / kTokens (4 bytes: the stage
+    // holds them block-major, see kActScaleBytes).
+    const int act_scale_token = tid % S::kTokens, act_scale_block = tid / S::kTokens;
     const int act_scale_row = tid < S::kActScaleCopies ? act_row_of(act_scale_token) : -1;
     const float* act_scale_src = act_scale + (size_t)(act_scale_row >= 0 ? act_scale_row : 0) * scale_len
-                               + act_scale_chunk * 4;
+                               + act_scale_block;
 
     auto zero_acc = [&] {
 #pragma unroll
@@ -992,10 +994,9 @@ __device__ __forceinline__ bool gemm_mainloop(
                 }
         }
         if (S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
-            const int valid_blocks = kTail ? min(4, max(0, blocks - 4 * act_scale_chunk)) : 4;
-            const bool valid = act_scale_row >= 0 && valid_blocks > 0;
-            cp_async_16(base + S::kActScaleOffset + (act_scale_token * SB + 4 * act_scale_chunk) * 4,
-                        valid ? act_scale_src + first_block : act_scale, valid ? 4 * valid_blocks : 0);
+            const bool valid = act_scale_row >= 0 && (!kTail || act_scale_block < blocks);
+            cp_async_small<4>(base + S::kActScaleOffset + (act_scale_block * S::kTokens + act_scale_token) * 4,
+                              valid ? act_scale_src + first_block : act_scale, valid ? 4 : 0);
         }
     };
     auto load_stage = [&](int slot) {
@@ -1151,9 +1152,12 @@ __device__ __forceinline__ bool gemm_mainloop(
         auto add_block = [&](int block, float (&sum)[MT][WT][4]) {
             float act_factor[WT][2];   // tokens 2t and 2t+1 of each n-tile
 #pragma unroll
-            for (int nt = 0; nt < WT; ++nt)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) act_factor[nt][j] = a_scale_s[(nt * 8 + 2 * t + j) * SB + block];
+            for (int nt = 0; nt < WT; ++nt) {
+                const float2 pair =
+                    reinterpret_cast<const float2*>(a_scale_s)[(block * S::kTokens + nt * 8 + 2 * t) / 2];
+                act_factor[nt][0] = pair.x;
+                act_factor[nt][1] = pair.y;
+            }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 float weight_factor[2];
