@@ -726,9 +726,14 @@ struct GemmShape {
     static constexpr int kWeightBytes = kRows * kWeightStride;
     static constexpr int kWeightScaleBytes = kRows * SB;
     static constexpr int kActBytes = WG ? kTokens * SB * kScaleBlock * kActValueBytes : kTokens * kActStride;
-    // [block][token] fp32, so that the MMA's two tokens per thread (2t, 2t+1)
-    // are one 8-byte read.
+    // FP8 activation scales, fp32: block-major ([block][token]) up to 16
+    // tokens, so that a thread's two tokens of an MMA n-tile (2t, 2t+1) are
+    // one 8-byte read, copied one scale per copy; token-major above, copied
+    // 16 bytes (4 blocks) per copy (the 24- and 32-token configs spilled
+    // with the block-major copies' addressing).
     static constexpr int kActScaleBytes = FP8 ? kTokens * SB * 4 : 0;
+    static constexpr bool kActScalesBlockMajor = kTokens <= 16;
+    static constexpr int kActScaleCopyBlocks = kActScalesBlockMajor ? 1 : 4;
     // A stage: weights, their scales, activations (and FP8: their scales);
     // for warpgroup MMAs the activations first, in 1024-byte-aligned stages
     // (the swizzle below).
@@ -744,7 +749,17 @@ struct GemmShape {
     static constexpr int kActRowChunks = SB * kScaleBlock * kActValueBytes / 16;   // 16-byte chunks per token row
     static constexpr int kActCopies = kTokens * kActRowChunks;
     static constexpr int kActChunks = (kActCopies + kThreads - 1) / kThreads;
-    static constexpr int kActScaleCopies = kActScaleBytes / 4;   // one scale each
+    static constexpr int kActScaleCopies = kActScaleBytes / (4 * kActScaleCopyBlocks);
+    // Token and first block of activation-scale copy tid, and where a scale lands.
+    static __device__ __forceinline__ int act_scale_copy_token(int tid) {
+        return kActScalesBlockMajor ? tid % kTokens : tid / (SB / 4);
+    }
+    static __device__ __forceinline__ int act_scale_copy_block(int tid) {
+        return kActScalesBlockMajor ? tid / kTokens : tid % (SB / 4) * 4;
+    }
+    static __host__ __device__ constexpr int act_scale_index(int token, int block) {
+        return kActScalesBlockMajor ? block * kTokens + token : token * SB + block;
+    }
     static_assert(kThreads >= kRows && kRows * SB % kThreads == 0
                   && (kActCopies % kThreads == 0 || kThreads % kActRowChunks == 0)
                   && kActScaleCopies <= kThreads, "copy split");
@@ -902,10 +917,9 @@ __device__ __forceinline__ bool gemm_mainloop(
                    + S::act_copy_chunk(tid, j) * 16;
         act_src_bytes[j] = row >= 0 ? 16 : 0;
     }
-    // FP8: thread tid < kActScaleCopies copies the activation scale of token
-    // tid % kTokens for the stage's block tid / kTokens (4 bytes: the stage
-    // holds them block-major, see kActScaleBytes).
-    const int act_scale_token = tid % S::kTokens, act_scale_block = tid / S::kTokens;
+    // FP8: thread tid < kActScaleCopies copies kActScaleCopyBlocks activation
+    // scales of one token (see kActScaleBytes).
+    const int act_scale_token = S::act_scale_copy_token(tid), act_scale_block = S::act_scale_copy_block(tid);
     const int act_scale_row = tid < S::kActScaleCopies ? act_row_of(act_scale_token) : -1;
     const float* act_scale_src = act_scale + (size_t)(act_scale_row >= 0 ? act_scale_row : 0) * scale_len
                                + act_scale_block;
@@ -994,9 +1008,15 @@ __device__ __forceinline__ bool gemm_mainloop(
                 }
         }
         if (S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
-            const bool valid = act_scale_row >= 0 && (!kTail || act_scale_block < blocks);
-            cp_async_small<4>(base + S::kActScaleOffset + (act_scale_block * S::kTokens + act_scale_token) * 4,
-                              valid ? act_scale_src + first_block : act_scale, valid ? 4 : 0);
+            constexpr int kCopyBlocks = S::kActScaleCopyBlocks;
+            const int valid_blocks = kTail ? min(kCopyBlocks, max(0, blocks - act_scale_block)) : kCopyBlocks;
+            const bool valid = act_scale_row >= 0 && valid_blocks > 0;
+            uint8_t* dst = base + S::kActScaleOffset + S::act_scale_index(act_scale_token, act_scale_block) * 4;
+            const float* src = valid ? act_scale_src + first_block : act_scale;
+            if constexpr (kCopyBlocks == 1)
+                cp_async_small<4>(dst, src, valid ? 4 : 0);
+            else
+                cp_async_16(dst, src, valid ? 4 * valid_blocks : 0);
         }
     };
     auto load_stage = [&](int slot) {
@@ -1153,10 +1173,16 @@ __device__ __forceinline__ bool gemm_mainloop(
             float act_factor[WT][2];   // tokens 2t and 2t+1 of each n-tile
 #pragma unroll
             for (int nt = 0; nt < WT; ++nt) {
-                const float2 pair =
-                    reinterpret_cast<const float2*>(a_scale_s)[(block * S::kTokens + nt * 8 + 2 * t) / 2];
-                act_factor[nt][0] = pair.x;
-                act_factor[nt][1] = pair.y;
+                if constexpr (S::kActScalesBlockMajor) {
+                    const float2 pair =
+                        reinterpret_cast<const float2*>(a_scale_s)[S::act_scale_index(nt * 8 + 2 * t, block) / 2];
+                    act_factor[nt][0] = pair.x;
+                    act_factor[nt][1] = pair.y;
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+                        act_factor[nt][j] = a_scale_s[S::act_scale_index(nt * 8 + 2 * t + j, block)];
+                }
             }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
