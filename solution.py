@@ -795,6 +795,11 @@ struct GemmShape {
     // 128-thread CTAs of two 64-row tiles per warpgroup: three CTAs) and 128
     // (16 to 32 tokens; 80 spills at 16).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
+    // Stage 1 loads its weights by TMA, two boxes per stage (gemm_mainloop's
+    // kWeightBoxes), in the warpgroup-MMA configs but the 24- and 32-token
+    // e4m3 ones, whose stage 1 measured 4% slower so (bs=512 E=257, H200,
+    // 2026-12-01). Stage 2 does in every warpgroup-MMA config.
+    static constexpr int kStage1WeightBoxes = WG && !(FP8 && NT >= 3) ? 2 : 0;
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
                                           : FP8 ? 2 : 1;
     // Several row tiles per CTA (gemm_mainloop): not with bf16 warpgroup
@@ -1556,16 +1561,13 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // E=33 (H200, 2026-12-01), with no instruction of it on that kernel's
     // hot path.
     float acc[MT][WT][4];
-    // The weights by TMA in the warpgroup-MMA configs but the 24- and
-    // 32-token e4m3 ones, whose stage 1 measured 4% slower so (bs=512 E=257,
-    // H200, 2026-12-01).
-    constexpr int kWeightBoxes = S::kWgmma && !(S::kFp8 && NT >= 3) ? 2 : 0;
     auto mainloop = [&](auto path) {
-        // Warpgroup-MMA configs: the weights by TMA, the gate rows of the
-        // CTA's columns and then their up rows, d_expert_pad map rows later.
+        // The TMA boxes (kStage1WeightBoxes): the gate rows of the CTA's
+        // columns and then their up rows, d_expert_pad map rows later.
         const WeightBoxes boxes = {&weight_map, (int)(tile.expert * expert_rows) + col0, d_expert_pad,
                                    first_block * 16};
-        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, kWeightBoxes, false>(
+        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kStage1WeightBoxes,
+                             false>(
             acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
             act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0,
             [](float (&)[MT][WT][4], int) {});
@@ -2011,9 +2013,9 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
     float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
     const int smem1 = shared_bytes1(std::min(split_blocks, k_blocks1));
-    // Stage 1's TMA map (warpgroup-MMA configs): every expert's gate and up
-    // rows, in boxes of half a CTA's rows.
-    const TensorMap weight_map1 = S1::kWgmma
+    // Stage 1's TMA map (configs with kStage1WeightBoxes): every expert's
+    // gate and up rows, in boxes of half a CTA's rows.
+    const TensorMap weight_map1 = S1::kStage1WeightBoxes > 0
         ? tensor_map(gate_up_weight.data_ptr<uint8_t>(), gate_up_weight.size(0) * gate_up_weight.size(1),
                      k_blocks1 * 16, d_hidden_pad / 2, SB * 16, kRows / 2)
         : TensorMap{};
