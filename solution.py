@@ -798,8 +798,12 @@ struct GemmShape {
     // Stage 1 loads its weights by TMA, two boxes per stage (gemm_mainloop's
     // kWeightBoxes), in the warpgroup-MMA configs but the 24- and 32-token
     // e4m3 ones, whose stage 1 measured 4% slower so (bs=512 E=257, H200,
-    // 2026-12-01). Stage 2 does in every warpgroup-MMA config.
+    // 2026-12-01). Stage 2 does in every warpgroup-MMA config, one box per
+    // stage, and with bf16 its activations too (kActTma). The host builds
+    // the tensor maps these need.
     static constexpr int kStage1WeightBoxes = WG && !(FP8 && NT >= 3) ? 2 : 0;
+    static constexpr int kStage2WeightBoxes = WG ? 1 : 0;
+    static constexpr bool kStage2ActTma = WG && !FP8;
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
                                           : FP8 ? 2 : 1;
     // Several row tiles per CTA (gemm_mainloop): not with bf16 warpgroup
@@ -1736,7 +1740,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
 
     float acc[MT][WT][4];
     const WeightBoxes boxes = {&weight_map, tile.expert * d_hidden_pad + row0, 0, 0};
-    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kWgmma ? 1 : 0, S::kWgmma && !S::kFp8>(
+    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kStage2WeightBoxes, S::kStage2ActTma>(
         acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, boxes, &inter_map, d_expert_pad,
         k_blocks, cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
@@ -2036,13 +2040,13 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
                                num_pairs, n_experts, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(k_blocks2, row_tiles);
-    // Stage 2's TMA maps (warpgroup-MMA configs; the activations' for bf16 only):
-    // the weights as one row per output column of every expert.
-    const TensorMap weight_map = S2::kWgmma
+    // Stage 2's TMA maps (kStage2WeightBoxes, kStage2ActTma): the weights as
+    // one row per output column of every expert.
+    const TensorMap weight_map = S2::kStage2WeightBoxes > 0
         ? tensor_map(down_weight.data_ptr<uint8_t>(), down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
                      d_expert_pad / 2, SB * 16, kRows)
         : TensorMap{};
-    const TensorMap inter_map = S2::kWgmma && !S2::kFp8
+    const TensorMap inter_map = S2::kStage2ActTma
         ? tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock * 2, d_expert_pad * 2, 128, S2::kTokens)
         : TensorMap{};
     launch_after_previous(stage2, grid2, S2::kThreads, smem2, stream,
