@@ -726,13 +726,13 @@ struct GemmShape {
     static constexpr int kWeightBytes = kRows * kWeightStride;
     static constexpr int kWeightScaleBytes = kRows * SB;
     static constexpr int kActBytes = WG ? kTokens * SB * kScaleBlock * kActValueBytes : kTokens * kActStride;
-    // FP8 activation scales, fp32: block-major ([block][token]) up to 16
+    // FP8 activation scales, fp32: block-major ([block][token]) up to 24
     // tokens, so that a thread's two tokens of an MMA n-tile (2t, 2t+1) are
-    // one 8-byte read, copied one scale per copy; token-major above, copied
-    // 16 bytes (4 blocks) per copy (the 24- and 32-token configs spilled
-    // with the block-major copies' addressing).
+    // one 8-byte read, copied one scale per copy; token-major for 32 tokens,
+    // copied 16 bytes (4 blocks) per copy (block-major, that config spilled
+    // 8 bytes at its 128-register cap).
     static constexpr int kActScaleBytes = FP8 ? kTokens * SB * 4 : 0;
-    static constexpr bool kActScalesBlockMajor = kTokens <= 16;
+    static constexpr bool kActScalesBlockMajor = kTokens <= 24;
     static constexpr int kActScaleCopyBlocks = kActScalesBlockMajor ? 1 : 4;
     // A stage: weights, their scales, activations (and FP8: their scales);
     // for warpgroup MMAs the activations first, in 1024-byte-aligned stages
@@ -930,8 +930,12 @@ __device__ __forceinline__ bool gemm_mainloop(
     // scales of one token (see kActScaleBytes).
     const int act_scale_token = S::act_scale_copy_token(tid), act_scale_block = S::act_scale_copy_block(tid);
     const int act_scale_row = tid < S::kActScaleCopies ? act_row_of(act_scale_token) : -1;
-    const float* act_scale_src = act_scale + (size_t)(act_scale_row >= 0 ? act_scale_row : 0) * scale_len
-                               + act_scale_block;
+    // An element offset from act_scale, not a pointer: one register fewer for
+    // the whole K (the 24- and 32-token configs sit at their register cap).
+    // 32 bits hold any act_scale a GPU can: 2^32 scales are 2^37 activations.
+    const uint32_t act_scale_src = (uint32_t)(act_scale_row >= 0 ? act_scale_row : 0) * scale_len
+                                 + act_scale_block;
+    const int act_scale_dst = S::kActScaleOffset + S::act_scale_index(act_scale_token, act_scale_block) * 4;
 
     auto zero_acc = [&] {
 #pragma unroll
@@ -1018,10 +1022,11 @@ __device__ __forceinline__ bool gemm_mainloop(
         }
         if (S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
             constexpr int kCopyBlocks = S::kActScaleCopyBlocks;
-            const int valid_blocks = kTail ? min(kCopyBlocks, max(0, blocks - act_scale_block)) : kCopyBlocks;
+            const int valid_blocks = kTail ? min(kCopyBlocks, max(0, blocks - S::act_scale_copy_block(tid)))
+                                           : kCopyBlocks;
             const bool valid = act_scale_row >= 0 && valid_blocks > 0;
-            uint8_t* dst = base + S::kActScaleOffset + S::act_scale_index(act_scale_token, act_scale_block) * 4;
-            const float* src = valid ? act_scale_src + first_block : act_scale;
+            uint8_t* dst = base + act_scale_dst;
+            const float* src = act_scale + (valid ? act_scale_src + first_block : 0);
             if constexpr (kCopyBlocks == 1)
                 cp_async_small<4>(dst, src, valid ? 4 : 0);
             else
