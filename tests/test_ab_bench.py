@@ -1,4 +1,4 @@
-"""tools/ab_bench.py: how a call's per-kernel times are split by stage."""
+"""tools/ab_bench.py: how a call's per-kernel times are split by stage, and which versions are timed unchecked."""
 import os
 import sys
 
@@ -15,3 +15,9 @@ def test_stage_split_sums_each_stage_and_leaves_the_rest():
 
 def test_stage_split_of_no_kernels_is_zero():
     assert ab_bench.stage_split({}) == (0.0, 0.0, 0.0)
+
+
+def test_only_timing_files_skip_the_reference_check():
+    assert ab_bench.timing_only(".ab/timing_no_atomics.py")
+    assert not ab_bench.timing_only(".ab/candidate_timing.py")
+    assert not ab_bench.timing_only("solution.py")

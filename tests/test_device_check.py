@@ -59,6 +59,11 @@ def test_ab_leaves_out_versions_that_fail_or_hang(tmp_path):
     assert "left out" in out and ".ab/candidate_bad.py" in out and ".ab/candidate_hang.py" in out
 
 
+def test_ab_times_timing_only_versions_after_the_candidates(tmp_path):
+    out, timing = run_ab(tmp_path, "ok", {"base.py": "ok", "candidate_good.py": "ok", "timing_bound.py": "ok"})
+    assert timing == ["python3 tools/ab_bench.py .ab/base.py solution.py .ab/candidate_good.py .ab/timing_bound.py"], out
+
+
 @pytest.mark.parametrize("failing", ["base", "checkout"])
 def test_ab_times_nothing_when_the_base_or_checkout_fails(tmp_path, failing):
     out, timing = run_ab(tmp_path, "FAIL" if failing == "checkout" else "ok",

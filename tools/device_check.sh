@@ -7,7 +7,8 @@
 #   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
-#    .ab/candidate_*.py, calls interleaved in one process (tools/ab_bench.py; not part of "all");
+#    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
+#    process (tools/ab_bench.py; not part of "all");
 #    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
 #    (indices 0-6, default "0 4 5"): throughputs, tensor/ALU/FMA pipes, shared-memory
 #    wavefronts and bank conflicts, issue, stall reasons; with
@@ -77,7 +78,7 @@ if asked ab; then   # not part of "all": .ab/base.py against this checkout and .
   step "A/B: .ab/base.py against solution.py and .ab/candidate_*.py"
   if [ -f .ab/base.py ]; then
     shopt -s nullglob
-    candidates=(.ab/candidate_*.py)
+    candidates=(.ab/candidate_*.py .ab/timing_*.py)   # timing_*: unchecked bounds (tools/ab_bench.py)
     # Every version's kernels built at once (one process each), each then
     # checked once per shape under a timeout: a version that fails or hangs
     # is left out of the timing (see ab_smoke.log) instead of stopping it.
