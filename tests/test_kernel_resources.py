@@ -1,0 +1,25 @@
+"""tools/kernel_resources.py: the shared-memory table (needs nvcc, no GPU)."""
+import os
+import shutil
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import kernel_resources  # noqa: E402
+import solution  # noqa: E402
+
+# Hopper's most dynamic shared memory per CTA.
+SM90_MAX_SHARED_KB = 227
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_every_config_has_a_row_and_fits_an_sm90_cta(tmp_path):
+    rows = kernel_resources.shared_memory_table(str(tmp_path)).splitlines()[1:]
+    assert len(rows) == len(solution.GEMM_CONFIGS), rows
+    for row, config in zip(rows, solution.GEMM_CONFIGS):
+        assert row.startswith(f"{config.tile_tokens} tokens {config.warp_rows} rows"), (row, config)
+        numbers = [float(x) for x in row.split(",")[1].split()[2:] if x != "x"]
+        stage1, stages, stage_kb, *stage2 = numbers
+        assert stages == config.stages and stage1 >= stages * stage_kb, row
+        assert max(stage1, *stage2) <= SM90_MAX_SHARED_KB, row

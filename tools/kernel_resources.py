@@ -1,0 +1,97 @@
+"""What each kernel costs the SM, without a GPU: registers and spills from
+`nvcc -Xptxas -v` on solution.py's device code (sm_90a), and each GEMM
+config's dynamic shared memory (its pipeline stages, from GemmShape, by a
+small host program built from the same source), for issue 4's closing notes
+and for reading before a device call.
+
+    python tools/kernel_resources.py
+
+Needs nvcc on PATH (CUDA 12.x or 13.x); takes about half a minute.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import solution  # noqa: E402
+
+ARCH = ["-gencode=arch=compute_90a,code=sm_90a"]
+
+# Stage 1 at the official d_hidden (7168: 224 scale blocks) and stage 2 at
+# each official d_expert (256, 512, 2048), one row tile per CTA.
+SHARED_MEMORY_DRIVER = r"""
+#include <cstdio>
+using namespace moe;
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, int MT2>
+void show() {
+    using S1 = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
+    using S2 = GemmShape<NT, MT2, WT, SB, STAGES, WG, FP8>;
+    const int stage1 = S1::shared_bytes(224, S1::kTokens * kStage1HStride * (int)sizeof(float), 1, S1::kStages);
+    printf("%-34s %8.1f %4d x %5.1f", (std::to_string(NT * 8) + " tokens " + std::to_string(MT * 16) + " rows, "
+                                       + (WG ? "wgmma " : "mma.sync ") + (FP8 ? "e4m3" : "bf16")).c_str(),
+           stage1 / 1024.0, S1::kStages, S1::kStageBytes / 1024.0);
+    for (int k_blocks : {8, 16, 64})
+        printf(" %8.1f", S2::shared_bytes(k_blocks, kStage2EpilogueBytes<S2>, 1, kStage2Ring<S2>) / 1024.0);
+    printf("\n");
+}
+int main() {
+    printf("%-34s %8s %12s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048");
+#define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
+    MOE_GEMM_CONFIGS(MOE_SHOW)
+}
+"""
+
+
+def registers(folder: str) -> int:
+    source = os.path.join(folder, "kernels.cu")
+    with open(source, "w") as f:
+        f.write(solution.KERNEL_SOURCE)
+    result = subprocess.run(["nvcc", "-std=c++17", "-O3", *ARCH, "-Xptxas", "-v", "-c", source,
+                             "-o", os.path.join(folder, "kernels.o")], capture_output=True, text=True)
+    if result.returncode:
+        print(result.stdout + result.stderr)
+        return 1
+    print(f"{'kernel':<56} {'registers':>9} {'spill stores':>12} {'spill loads':>11}")
+    name = None
+    spills = ("?", "?")
+    for line in (result.stdout + result.stderr).splitlines():
+        match = re.search(r"Compiling entry function '(\w+)'", line)
+        if match:
+            name = subprocess.run(["c++filt", match.group(1)], capture_output=True, text=True).stdout.strip()
+            name = re.sub(r"\(.*", "", re.sub(r"^void ", "", name)).replace("moe::", "")
+        match = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if match:
+            spills = match.groups()
+        match = re.search(r"Used (\d+) registers", line)
+        if match and name:
+            print(f"{name:<56} {match.group(1):>9} {spills[0]:>12} {spills[1]:>11}")
+            name = None
+    return 0
+
+
+def shared_memory_table(folder: str) -> str:
+    """The table of each GEMM config's dynamic shared memory (KB), built in folder."""
+    source = os.path.join(folder, "shared.cu")
+    with open(source, "w") as f:
+        f.write("#include <string>\n" + solution.KERNEL_SOURCE + SHARED_MEMORY_DRIVER)
+    binary = os.path.join(folder, "shared")
+    result = subprocess.run(["nvcc", "-std=c++17", "-O1", *ARCH, source, "-o", binary], capture_output=True,
+                            text=True)
+    if result.returncode:
+        raise RuntimeError(result.stdout + result.stderr)
+    return subprocess.run([binary], capture_output=True, text=True, check=True).stdout
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        if registers(folder):
+            return 1
+        print("\ndynamic shared memory per CTA, KB (stage 2: one row tile, by d_expert)")
+        print(shared_memory_table(folder), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
