@@ -1344,23 +1344,12 @@ __device__ __forceinline__ bool gemm_mainloop(
         // kNarrowLimit: the slower exact path. (Otherwise the path is fixed,
         // and only the stage's barrier is left.) The whole CTA takes one
         // path (a warpgroup's MMAs must be the same instructions in all of its
-        // warps). With a CTA barrier, thread r < kRows copied row r's scales,
-        // so it may read them before the barrier, which ORs the answers; with
-        // mbarriers, every warp reads all of the stage's scales.
+        // warps): thread r < kRows copied row r's scales, so it may read them
+        // before the barrier, which ORs the answers.
+        static_assert(kPath != ScalePath::kVote || !kMbarriers, "the vote ORs over a CTA barrier");
         bool wide = kPath == ScalePath::kWide;
         if constexpr (kPath != ScalePath::kVote) {
             if constexpr (!kMbarriers) __syncthreads();
-        } else if constexpr (kMbarriers) {
-            static_assert(S::kScaleOffset % 16 == 0 && kRows * SB % 16 == 0, "scale vote: 16-byte reads");
-            const uint4* scales_s = reinterpret_cast<const uint4*>(stage_base(s % kRing) + S::kScaleOffset);
-            uint32_t above = 0;
-#pragma unroll
-            for (int i = lane; i < kRows * SB / 16; i += 32) {
-                const uint4 q = scales_s[i];
-                above |= scale_bytes_above(q.x, kNarrowLimit) | scale_bytes_above(q.y, kNarrowLimit)
-                       | scale_bytes_above(q.z, kNarrowLimit) | scale_bytes_above(q.w, kNarrowLimit);
-            }
-            wide = __any_sync(0xFFFFFFFFu, (above & 0x80808080u) != 0);
         } else {
             if (tid < kRows)
 #pragma unroll
