@@ -6,6 +6,7 @@ import random
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ import torch
 import reference
 import solution
 from inputs import to_cpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import kernel_resources  # noqa: E402
 
 ON_CUDA = torch.cuda.is_available() and not torch.version.hip
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU (no CUDA device here)")
@@ -120,14 +124,9 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     breaks on a machine without a GPU, register spills in any kernel, and
     wgmmas that ptxas serialises (warning C7520: a kernel whose wgmmas sit in
     a branch ptxas thinks divergent measured several % slower)."""
-    source = tmp_path / "kernels.cu"
-    source.write_text(solution.KERNEL_SOURCE)
-    result = subprocess.run(
-        ["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
-         "-c", str(source), "-o", str(tmp_path / "kernels.o")], capture_output=True, text=True, timeout=600)
-    report = result.stdout + result.stderr
+    returncode, report = kernel_resources.ptxas_report(str(tmp_path))
     print(report)
-    assert result.returncode == 0, report
+    assert returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     # convert, route+quantise and SwiGLU+Qa of split stage 1 for both activation formats, and stage 1
     # and stage 2 for each GEMM config
