@@ -1022,7 +1022,7 @@ __device__ __forceinline__ bool gemm_mainloop(
         }
         if (S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
             constexpr int kCopyBlocks = S::kActScaleCopyBlocks;
-            const int valid_blocks = kTail ? min(kCopyBlocks, max(0, blocks - S::act_scale_copy_block(tid)))
+            const int valid_blocks = kTail ? min(kCopyBlocks, max(0, blocks - act_scale_block))
                                            : kCopyBlocks;
             const bool valid = act_scale_row >= 0 && valid_blocks > 0;
             uint8_t* dst = base + act_scale_dst;
