@@ -473,6 +473,34 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 #endif
     return d;
 }
+// Half h (weight row g + 8h) of a 32-value block's bf16 A fragments for
+// both k16 steps of an m16 tile: word holds the row's eight fp4 codes of
+// the thread's k (word t of the block), four_scales the row's scale bytes of
+// the stage, of which byte `byte` is the block's; wide: a scale above 128
+// (both multipliers, see weight_multiplier_low).
+__device__ __forceinline__ void bf16_fragment_half(uint32_t (&a)[2][4], int h, uint32_t word, uint32_t four_scales,
+                                                   int byte, bool wide) {
+    uint32_t low, high = 0;
+    if (wide) {
+        const uint32_t s = (four_scales >> (8 * byte)) & 0xFFu;
+        low = weight_multiplier_low(s);
+        high = weight_multiplier_high(s);
+    } else {
+        low = weight_multiplier_of_byte(four_scales, byte);
+    }
+    uint32_t p[4] = {fp4_pair_to_bf16<0>(word), fp4_pair_to_bf16<1>(word), fp4_pair_to_bf16<2>(word),
+                     fp4_pair_to_bf16<3>(word)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        p[j] = bf16x2_mul(p[j], low);
+        if (wide) p[j] = bf16x2_mul(p[j], high);
+    }
+    // Step s: pair 2s at reg h (k 2t..2t+1), pair 2s+1 at reg 2+h (k 2t+8..).
+    a[0][h] = p[0];
+    a[0][2 + h] = p[1];
+    a[1][h] = p[2];
+    a[1][2 + h] = p[3];
+}
 
 // d += a(16x16) . b(16x8), bf16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -1109,30 +1137,8 @@ __device__ __forceinline__ bool gemm_mainloop(
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint32_t word = w[mt][2 * q + h];
-                        const uint32_t s4 = scales[mt][h][block / 4];
-                        uint32_t low, high = 0;
-                        if (kWide) {
-                            const uint32_t s = (s4 >> (8 * (block % 4))) & 0xFFu;
-                            low = weight_multiplier_low(s);
-                            high = weight_multiplier_high(s);
-                        } else {
-                            low = weight_multiplier_of_byte(s4, block % 4);
-                        }
-                        uint32_t p[4] = {fp4_pair_to_bf16<0>(word), fp4_pair_to_bf16<1>(word),
-                                         fp4_pair_to_bf16<2>(word), fp4_pair_to_bf16<3>(word)};
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            p[j] = bf16x2_mul(p[j], low);
-                            if (kWide) p[j] = bf16x2_mul(p[j], high);
-                        }
-                        // Step s: pair 2s at reg h (k 2t..2t+1), pair 2s+1 at reg 2+h (k 2t+8..).
-                        a[mt][0][h] = p[0];
-                        a[mt][0][2 + h] = p[1];
-                        a[mt][1][h] = p[2];
-                        a[mt][1][2 + h] = p[3];
-                    }
+                    for (int h = 0; h < 2; ++h)
+                        bf16_fragment_half(a[mt], h, w[mt][2 * q + h], scales[mt][h][block / 4], block % 4, kWide);
                 if constexpr (S::kAsyncStages) {   // bf16 warpgroup MMAs
                     // Both k16 steps of the block on the warpgroup, then wait
                     // only for the previous block's: converting the next block
