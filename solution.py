@@ -309,7 +309,9 @@ namespace moe {
 // Counts the (token, slot) pairs of each expert, writes expert_offsets[E+1],
 // the pairs sorted by expert (as each pair's token and routing weight, so
 // that a GEMM reads either with one load), and the tile table (expert, first
-// sorted row) of tiles of tile_tokens rows that both GEMM stages walk. Ids
+// sorted row) of tiles of tile_tokens rows that both GEMM stages walk (with
+// wide_tile_tokens > 0, also a table of tiles that many rows, wide_tiles,
+// for the wide stage 2). Ids
 // outside [0, E) are counted in bad_ids and skipped, so no kernel ever
 // indexes out of bounds. Order within an expert is not fixed: every row of a
 // GEMM tile is computed independently of the others.
@@ -317,7 +319,8 @@ __device__ void route_pairs(
         const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
         int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
         int* __restrict__ num_tiles, int* __restrict__ sorted_tokens, float* __restrict__ sorted_weights,
-        int* __restrict__ bad_ids) {
+        int* __restrict__ bad_ids, int wide_tile_tokens, int2* __restrict__ wide_tiles,
+        int* __restrict__ num_wide_tiles) {
     extern __shared__ int shared[];
     int* counts = shared;                   // [E]
     int* cursor = shared + n_experts;       // [E]
@@ -375,6 +378,26 @@ __device__ void route_pairs(
         const int n = (counts[e] + tile_tokens - 1) / tile_tokens;
         for (int j = 0; j < n; ++j) tiles[tile_base[e] + j] = make_int2(e, cursor[e] + j * tile_tokens);
     }
+    if (wide_tile_tokens > 0) {   // the same scan, of wide tiles (warp_totals last read before the barrier above)
+        int2 wide_run = make_int2(0, 0);
+        for (int e = first; e < last; ++e) wide_run.x += (counts[e] + wide_tile_tokens - 1) / wide_tile_tokens;
+        const int2 wide_inclusive = warp_inclusive_scan(wide_run, lane);
+        if (lane == 31) warp_totals[warp] = wide_inclusive;
+        __syncthreads();
+        if (warp == 0) {
+            const int nwarps = blockDim.x >> 5;
+            int2 t = lane < nwarps ? warp_totals[lane] : make_int2(0, 0);
+            warp_totals[lane] = warp_inclusive_scan(t, lane);
+        }
+        __syncthreads();
+        int base = wide_inclusive.x - wide_run.x + (warp > 0 ? warp_totals[warp - 1].x : 0);
+        for (int e = first; e < last; ++e) {
+            const int n = (counts[e] + wide_tile_tokens - 1) / wide_tile_tokens;
+            for (int j = 0; j < n; ++j) wide_tiles[base + j] = make_int2(e, cursor[e] + j * wide_tile_tokens);
+            base += n;
+        }
+        if (tid == blockDim.x - 1) *num_wide_tiles = warp_totals[(blockDim.x >> 5) - 1].x;
+    }
     __syncthreads();
     for (int p = tid; p < num_pairs; p += blockDim.x) {
         const int e = topk_ids[p];
@@ -402,22 +425,32 @@ class KernelConfig(NamedTuple):
     wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
     fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 to 32 tokens)
     stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (e4m3: 32, two MMA tiles)
+    stage2_tile_tokens: int = 0   # WIDE_TILE_TOKENS: stage 2 over wide tiles (bf16 wgmma configs); 0: tile_tokens
 
     def __str__(self):
         return ("%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
-                + (f"+{self.stage2_warp_rows}x{self.warp_tokens}" if self.stage2_warp_rows else ""))
+                + (f"+{self.stage2_warp_rows}x{self.warp_tokens}" if self.stage2_warp_rows else "")
+                + (f"+wide{self.stage2_tile_tokens}" if self.stage2_tile_tokens else ""))
+
+
+# Tokens per tile of the wide stage 2 (stage2_wide_kernel): at 512 tokens and
+# 32 routed experts an expert has 128 +- 11 tokens, which 144 cover in one
+# tile for most experts.
+WIDE_TILE_TOKENS = 144
 
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
 GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8, 3, False),
                 KernelConfig(64, 16, 64, 4, 4, False), KernelConfig(64, 32, 64, 4, 4, False),
-                KernelConfig(64, 16, 64, 4, 4, True),
+                KernelConfig(64, 16, 64, 4, 4, True), KernelConfig(64, 16, 64, 4, 4, True, False, 0, WIDE_TILE_TOKENS),
                 KernelConfig(8, 16, 8, 8, 4, True, True, 32), KernelConfig(16, 16, 16, 8, 3, True, True),
                 KernelConfig(24, 16, 24, 8, 3, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
-GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(
+# The kernels' template arguments, once each (a config with the wide stage 2
+# shares its stage 1 with the plain one).
+GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(dict.fromkeys(
     f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
     f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, {(c.stage2_warp_rows or c.warp_rows) // 16})"
-    for c in GEMM_CONFIGS) + "\n"
+    for c in GEMM_CONFIGS)) + "\n"
 
 GEMM_SOURCE = r"""
 // Tensor maps for TMA copies (CUDA only: the bf16 warpgroup-MMA configs that
@@ -630,6 +663,10 @@ __device__ __forceinline__ void wgmma_wait() {
 #ifdef MOE_HAS_WGMMA
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
 #endif
+}
+// Named barrier `id` (1..15; 0 is __syncthreads') of `threads` threads, a multiple of 32.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 // Shared memory written through the generic proxy (cp.async) and read next by
 // the tensor cores (async proxy) needs this fence in each writing thread.
@@ -1500,14 +1537,16 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
         int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
         int* __restrict__ num_tiles, int* __restrict__ sorted_tokens, float* __restrict__ sorted_weights,
-        int* __restrict__ bad_ids,
+        int* __restrict__ bad_ids, int wide_tile_tokens, int2* __restrict__ wide_tiles,
+        int* __restrict__ num_wide_tiles,
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
         uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
     let_next_kernel_launch();   // a call's first kernel: launched normally, after whatever came before
     if (blockIdx.x == 0) {   // CTA-uniform: route_pairs' barriers see every thread
         if (blockIdx.y == 0)
             route_pairs(topk_ids, topk_weights, num_pairs, top_k, n_experts, tile_tokens, expert_offsets, tiles,
-                        num_tiles, sorted_tokens, sorted_weights, bad_ids);
+                        num_tiles, sorted_tokens, sorted_weights, bad_ids, wide_tile_tokens, wide_tiles,
+                        num_wide_tiles);
         return;
     }
     quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,
@@ -1788,7 +1827,8 @@ MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
     template __global__ void route_and_quantize_kernel<FP8>(const int*, const float*, int, int, int, int,  \
-        int*, int2*, int*, int*, float*, int*, const __nv_bfloat16*, int, int, uint8_t*, float*, float*);  \
+        int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int, uint8_t*,  \
+        float*, float*);                                                                                   \
     template __global__ void swiglu_quantize_kernel<FP8>(const float2*, int, int, const int*, int, int, int, \
                                                          uint8_t*, float*);
 MOE_INSTANTIATE_QA(false)
@@ -1798,10 +1838,221 @@ MOE_INSTANTIATE_QA(true)
 }  // namespace moe
 """
 
+# ===========================================================================
+# Kernel source: stage 2 over wide tiles (bf16, sm_90a, warp-specialised)
+# ===========================================================================
+def _wgmma_bf16_source(n: int) -> str:
+    """The m64n{n}k16 bf16 warpgroup MMA wrapper (n/2 accumulator registers,
+    too many to write out by hand), as wgmma_m64n64k16 but with `accumulate`
+    (0: d = a.b, the first MMA of a row tile, so that no accumulator is
+    zeroed between tiles)."""
+    regs = n // 2
+    outputs = ", ".join(f"%{i}" for i in range(regs))
+    constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+    return f"""
+__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
+                                                 uint32_t b_descriptor, uint32_t accumulate) {{
+#ifdef MOE_HAS_WGMMA
+    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
+                 "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outputs}}}, "
+                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1, 0;\\n}}\\n"
+                 : {constraints}
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
+                   "r"(kWgmmaDescriptorHigh));
+#else
+    __trap();
+#endif
+}}
+"""
+
+
+STAGE2_WIDE_SOURCE = "namespace moe {\n" + _wgmma_bf16_source(WIDE_TILE_TOKENS) + r"""
+// Stage 2 over wide tiles of kWideTokens tokens (the routing's second table),
+// for bf16 warpgroup-MMA calls with many tokens per expert: each converted
+// weight then feeds kWideTokens tokens of MMA work instead of 64. One CTA per
+// SM (its 72 accumulators per thread and three stages of 45 KB), so the
+// pipeline must not stop at CTA barriers: warp 8 only loads (weights and
+// activations by TMA, weight scales by cp.async) into a ring of slots, each
+// with a full mbarrier (its bytes and 32 cp.async arrivals) and an empty one
+// (each consumer thread's arrival once its warpgroup's MMAs that read the
+// slot are complete); warps 0-7, two warpgroups of 64 rows, only convert, multiply
+// and add. A CTA streams row_tiles row tiles of 128 output columns, the
+// next tile's stages loading while it adds one into the accumulator.
+constexpr int kWideTokens = """ + str(WIDE_TILE_TOKENS) + r""";
+struct WideStage2 {
+    static constexpr int kStageBlocks = 4, kRing = 3;
+    static constexpr int kConsumerWarps = 8, kThreads = (kConsumerWarps + 1) * 32;
+    static constexpr int kActBytes = kWideTokens * kStageBlocks * kScaleBlock * 2;
+    static constexpr int kWeightBytes = kRows * kStageBlocks * 16;
+    static constexpr int kScaleBytes = kRows * kStageBlocks;
+    static constexpr int kActOffset = 0, kWeightOffset = kActBytes, kScaleOffset = kWeightOffset + kWeightBytes;
+    static constexpr int kStageBytes = (kActBytes + kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
+    static constexpr int kEpilogueBytes = kWideTokens * kStage2YStride * (int)sizeof(float);
+    // Dynamic shared memory is 16-byte aligned; the stages need 1024.
+    static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
+    static_assert(kSharedBytes <= 227 * 1024, "one CTA per SM");
+    // The activations in the 128-byte swizzle (as GemmShape::act_offset): 64
+    // k of a token per 128-byte row, 8-token atoms, the stage's two halves of
+    // K one after the other.
+    static __device__ __forceinline__ int act_offset(int token, int chunk) {
+        return (chunk >> 3) * (kWideTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
+             + (((chunk & 7) ^ (token & 7)) << 4);
+    }
+    // The weights as the 64-byte-swizzled TMA box lands them (GemmShape::weight_offset, 4 blocks).
+    static __device__ __forceinline__ int weight_offset(int row, int chunk) {
+        return row * (kStageBlocks * 16) + ((chunk ^ ((row >> 1) & 3)) << 4);
+    }
+};
+
+__global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
+        const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
+        const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
+        const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
+        const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
+    using W = WideStage2;
+    constexpr int SB = W::kStageBlocks, kRing = W::kRing;
+    extern __shared__ __align__(16) uint8_t smem_base[];
+    __shared__ uint64_t full[kRing], empty[kRing];
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
+    Tile tile;
+    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kWideTokens)) return;
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_base) + 1023) & ~uintptr_t(1023));
+    float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
+    // The warp index through a shuffle: warp-uniform to ptxas, so that the
+    // consumer warps' MMAs are not in a path it thinks divergent.
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
+    const int row0 = blockIdx.y * row_tiles * kRows;
+    const int cta_tiles = min(row_tiles, (d_hidden - row0 + kRows - 1) / kRows);   // at least 1 (the grid)
+    const int k_blocks = (d_expert + kScaleBlock - 1) / kScaleBlock;
+    const int tile_stages = (k_blocks + SB - 1) / SB;
+    const int n_stages = tile_stages * cta_tiles;
+    if (tid == 0)
+        for (int j = 0; j < kRing; ++j) {
+            mbarrier_init(&full[j], 1 + 32);   // the TMA thread's arrival and bytes, each lane's scale copies
+            mbarrier_init(&empty[j], W::kConsumerWarps * 32);
+        }
+    fence_mbarrier_init();
+    __syncthreads();
+
+    if (warp == W::kConsumerWarps) {   // the loads
+        const int scale_len = d_expert_pad / kScaleBlock;
+        const uint8_t* scale = down_scale + ((size_t)tile.expert * d_hidden_pad + row0) * scale_len;
+        for (int s = 0; s < n_stages; ++s) {
+            const int slot = s % kRing, row = s / tile_stages * kRows, first_block = s % tile_stages * SB;
+            if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
+            uint8_t* base = smem + slot * W::kStageBytes;
+            if (lane == 0) {
+                // Whole boxes: past the GEMM's K the maps read zeros, and
+                // activation rows past the tile's end are other rows (or
+                // zeros), computed and discarded.
+                mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + W::kActBytes);
+                tma_load_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
+                            tile.expert * d_hidden_pad + row0 + row, &full[slot]);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    tma_load_2d(base + W::kActOffset + h * (kWideTokens * 128), &inter_map,
+                                (first_block * kScaleBlock + h * 64) * 2, tile.row_start, &full[slot]);
+            }
+            // Rows lane + 32i: their four scale bytes, zero past k_blocks.
+            const int valid_bytes = min(SB, k_blocks - first_block);
+#pragma unroll
+            for (int i = 0; i < kRows / 32; ++i) {
+                const int r = lane + 32 * i;
+                cp_async_small<4>(base + W::kScaleOffset + r * SB, scale + (size_t)(row + r) * scale_len + first_block,
+                                  valid_bytes);
+            }
+            cp_async_arrive(&full[slot]);
+        }
+        return;
+    }
+
+    // Warp w: rows 16w..16w+15 (warpgroup w/4: rows 64(w/4)..+63).
+    const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
+    float acc[kWideTokens / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kWideTokens / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+    // Row tiles, each its stages and then its epilogue (one loop over all
+    // stages, with the epilogue inside, made ptxas wait for every stage's
+    // last MMAs, C7517).
+    for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
+      for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s) {
+        const int slot = s % kRing;
+        mbarrier_wait(&full[slot], (s / kRing) & 1);
+        const uint8_t* base = smem + slot * W::kStageBytes;
+        // Rows g and g+8: their four scale bytes; the warp's path (every
+        // warp of a warpgroup issues the same MMAs either way).
+        uint32_t scales[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
+        const bool wide = __any_sync(0xFFFFFFFFu, any_scale_above(scales[0], 128u) || any_scale_above(scales[1], 128u));
+        const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
+        auto load_words = [&](uint32_t (&words)[4], int bp) {
+            ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(first_row + (lane & 15), bp + (lane >> 4)));
+        };
+        uint32_t w[4];
+        load_words(w, 0);
+#pragma unroll
+        for (int bp = 0; bp < SB; bp += 2) {
+            uint32_t next[4];
+            if (bp + 2 < SB) load_words(next, bp + 2);
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int block = bp + q;
+                uint32_t a[2][4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, wide);
+                wgmma_fence();
+#pragma unroll
+                for (int step = 0; step < 2; ++step)
+                    wgmma_m64n""" + str(WIDE_TILE_TOKENS) + r"""k16(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
+                                       stage_in_tile > 0 || block > 0 || step > 0);
+                wgmma_commit();
+                wgmma_wait<1>();
+                // The previous stage's MMAs are complete: its slot may refill.
+                // (Every lane arrives: a branch on the lane here made ptxas
+                // serialise the MMAs, C7518.)
+                if (block == 0 && s > 0) mbarrier_arrive(&empty[(s - 1) % kRing]);
+            }
+            if (bp + 2 < SB)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) w[i] = next[i];
+        }
+      }
+        // The row tile done: add it into the accumulator.
+        wgmma_wait<0>();
+#pragma unroll
+        for (int nt = 0; nt < kWideTokens / 8; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
+        named_barrier_sync(1, W::kConsumerWarps * 32);
+        for (int item = tid; item < tile.rows * (kRows / 4); item += W::kConsumerWarps * 32) {
+            const int token = item / (kRows / 4), quad = item % (kRows / 4);
+            const int col = row0 + row_tile * kRows + quad * 4;
+            if (col >= d_hidden) continue;
+            const int row = tile.row_start + token;
+            const float weight = sorted_weights[row];
+            const float* src = y + token * kStage2YStride + quad * 4;
+            atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
+                              make_float4(weight * src[0], weight * src[1], weight * src[2], weight * src[3]));
+        }
+        named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
+    }
+}
+
+}  // namespace moe
+"""
+
 # Everything that runs on the device, with no torch headers: CI compiles this
 # alone with nvcc for sm_90a to catch build breaks without a GPU.
 KERNEL_SOURCE = (COMMON_SOURCE + ROUTING_SOURCE + GEMM_CONFIG_SOURCE + GEMM_SOURCE + STAGE1_SOURCE
-                 + STAGE2_SOURCE)
+                 + STAGE2_SOURCE + STAGE2_WIDE_SOURCE)
 
 # ===========================================================================
 # Host bindings
@@ -1987,8 +2238,9 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
                   const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
                   const torch::Tensor& down_weight, const torch::Tensor& down_scale, const Activations& act,
                   const int* sorted_tokens, const float* sorted_weights, const int* expert_offsets,
-                  const int2* tiles, const int* num_tiles, int d_hidden, int d_hidden_pad, int d_expert,
-                  int d_expert_pad, const Activations& inter, torch::Tensor& accumulator) {
+                  const int2* tiles, const int* num_tiles, int max_wide_tiles, const int2* wide_tiles,
+                  const int* num_wide_tiles, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad,
+                  const Activations& inter, torch::Tensor& accumulator) {
     using S1 = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     using S2 = GemmShape<NT, MT2, WT, SB, STAGES, WG, FP8>;
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
@@ -2035,6 +2287,33 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
             inter.scales());
 
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
+    if (max_wide_tiles > 0) {   // stage 2 over the routing's wide tiles
+        TORCH_CHECK(WG && !FP8 && SB == WideStage2::kStageBlocks,
+                    "moe_mxfp4: the wide stage 2 follows bf16 warpgroup-MMA configs of 4-block stages");
+        allow_shared_memory(stage2_wide_kernel, WideStage2::kSharedBytes);
+        // One CTA per SM: the most row tiles per CTA (up to 8) that leave
+        // two waves of CTAs.
+        const long long wide_tiles_estimate = num_pairs / kWideTokens + std::min(n_experts, num_pairs) / 2 + 1;
+        int row_tiles = 1;
+        for (int r = 8; r > 1 && requested_row_tiles <= 0; r /= 2)
+            if (wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * sm_count()) {
+                row_tiles = r;
+                break;
+            }
+        if (requested_row_tiles > 0) row_tiles = requested_row_tiles;
+        row_tiles = std::min(row_tiles, grid_rows);
+        const TensorMap weight_map = tensor_map(down_weight.data_ptr<uint8_t>(),
+                                                down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
+                                                d_expert_pad / 2, SB * 16, kRows);
+        const TensorMap inter_map = tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock * 2,
+                                               d_expert_pad * 2, 128, kWideTokens);
+        launch_after_previous(stage2_wide_kernel, dim3(max_wide_tiles, (grid_rows + row_tiles - 1) / row_tiles),
+            WideStage2::kThreads, WideStage2::kSharedBytes, stream,
+            down_scale.data_ptr<uint8_t>(), sorted_tokens, sorted_weights, expert_offsets, wide_tiles,
+            num_wide_tiles, d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
+            accumulator.data_ptr<float>(), weight_map, inter_map);
+        return;
+    }
     const int row_tiles = !S2::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
         : stage2_row_tiles<S2>(stage2, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
                                num_pairs, n_experts, grid_rows));
@@ -2069,7 +2348,7 @@ torch::Tensor moe_forward(
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
         int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
-        int64_t stage2_warp_rows, int64_t stage1_splits, int64_t stage2_row_tiles) {
+        int64_t stage2_warp_rows, int64_t stage2_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles) {
     using namespace moe;
     const int64_t warp_rows2 = stage2_warp_rows > 0 ? stage2_warp_rows : warp_rows;
 #define MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
@@ -2082,6 +2361,11 @@ torch::Tensor moe_forward(
     TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens, ", warp_rows=", warp_rows,
                 ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages,
                 ", wgmma=", wgmma, ", fp8=", fp8, ", stage2_warp_rows=", stage2_warp_rows);
+    TORCH_CHECK(stage2_tile_tokens == 0 || stage2_tile_tokens == tile_tokens
+                || (stage2_tile_tokens == kWideTokens && wgmma && !fp8),
+                "moe_mxfp4: stage 2 tiles of ", stage2_tile_tokens, " tokens: only ", kWideTokens,
+                ", after a bf16 warpgroup-MMA stage 1");
+    const bool wide_stage2 = stage2_tile_tokens == kWideTokens && stage2_tile_tokens != tile_tokens;
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -2094,11 +2378,15 @@ torch::Tensor moe_forward(
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // Tiles: at most one partial tile per expert that has any pair.
     const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
+    const int max_wide_tiles = wide_stage2 ? num_pairs / kWideTokens + std::min(n_experts, num_pairs) + 1 : 0;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
-    auto routing = torch::empty({2 * max_tiles + 1 + (n_experts + 1) + 2 * num_pairs + 1}, int_opts);
+    auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 1},
+                                int_opts);
     int2* tiles = reinterpret_cast<int2*>(routing.data_ptr<int>());
-    int* num_tiles = reinterpret_cast<int*>(tiles + max_tiles);
-    int* expert_offsets = num_tiles + 1;
+    int2* wide_tiles = tiles + max_tiles;
+    int* num_tiles = reinterpret_cast<int*>(wide_tiles + max_wide_tiles);
+    int* num_wide_tiles = num_tiles + 1;
+    int* expert_offsets = num_wide_tiles + 1;
     int* sorted_tokens = expert_offsets + n_experts + 1;
     float* sorted_weights = reinterpret_cast<float*>(sorted_tokens + num_pairs);
     int* bad_ids = sorted_tokens + 2 * num_pairs;
@@ -2114,6 +2402,7 @@ torch::Tensor moe_forward(
                          route_smem, stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
+        wide_stage2 ? kWideTokens : 0, wide_tiles, num_wide_tiles,
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
@@ -2122,8 +2411,8 @@ torch::Tensor moe_forward(
         launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8, MT2>(stream, max_tiles, num_pairs, n_experts,              \
             (int)stage1_splits, (int)stage2_row_tiles,                                                        \
             gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_tokens, sorted_weights,      \
-            expert_offsets, tiles, num_tiles, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad, inter,  \
-            accumulator);
+            expert_offsets, tiles, num_tiles, max_wide_tiles, wide_tiles, num_wide_tiles, (int)d_hidden,      \
+            d_hidden_pad, (int)d_expert, d_expert_pad, inter, accumulator);
     MOE_GEMM_CONFIGS(MOE_LAUNCH)
 #undef MOE_LAUNCH
 #undef MOE_IS
@@ -2141,7 +2430,7 @@ torch::Tensor moe_forward(
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
     int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
-    int64_t stage2_warp_rows, int64_t stage1_splits, int64_t stage2_row_tiles);
+    int64_t stage2_warp_rows, int64_t stage2_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles);
 """
 
 # ===========================================================================
@@ -2255,7 +2544,10 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     64-row MMA tiles (fewer instructions per weight: its stage 2 is
     issue-bound, while its stage 1 was slower so). Beyond them 64-token tiles
     win: each warp converts its weights once for all 64 tokens, and on sm_90
-    warpgroup MMAs read the tokens from shared memory without ldmatrix."""
+    warpgroup MMAs read the tokens from shared memory without ldmatrix. With
+    more than 96 tokens per expert on sm_90, stage 2 runs over wide tiles of
+    WIDE_TILE_TOKENS (stage2_wide_kernel), converting each weight once for
+    that many tokens."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
         return KernelConfig(8, 16, 8, 8, 4, True, True, 32) if wgmma else KernelConfig(8, 16, 8, 8, 4, False)
@@ -2266,7 +2558,7 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     if tokens_per_expert <= 20:
         return KernelConfig(16, 16, 16, 8, 3, wgmma, wgmma)
     if wgmma:
-        return KernelConfig(64, 16, 64, 4, 4, True)
+        return KernelConfig(64, 16, 64, 4, 4, True, False, 0, WIDE_TILE_TOKENS if tokens_per_expert > 96 else 0)
     return KernelConfig(64, 16, 64, 4, 4, False) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4, False)
 
 
