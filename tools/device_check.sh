@@ -125,14 +125,14 @@ if asked ncu; then   # not part of "all": about a minute per shape and version
   ncu_counters() {   # log file, then profile_kernels.py's --once arguments
     local log=$1; shift
     # --once calls the shape twice; skip the first call's two stage kernels.
-    ncu_python ncu --clock-control none -k regex:"stage[12]_kernel" -s 2 -c 2 \
+    ncu_python ncu --clock-control none -k regex:"stage[12]_(wide_)?kernel" -s 2 -c 2 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
       --metrics dram__bytes_read.sum.per_second,lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum,sm__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
       "$python_binary" tools/profile_kernels.py --once "$@" >"$log" 2>&1 || status=1
-    grep -E "stage[12]_kernel|Duration|Throughput|Registers|Achieved Occupancy|Waves Per SM|Issue Slots Busy|Eligible Warps|dram__|lts__|l1tex__|sm__inst|sm__pipe|stalled" "$log" \
+    grep -E "stage[12]_(wide_)?kernel|Duration|Throughput|Registers|Achieved Occupancy|Waves Per SM|Issue Slots Busy|Eligible Warps|dram__|lts__|l1tex__|sm__inst|sm__pipe|stalled" "$log" \
       | grep -v -E " 0(\.0+)?$|  0,0" | sed 's/^ *//' | awk '{$1=$1; print}' | grep -v -E "ratio +0\.0[0-9]?$"
     # No counters: show why (two calls of 2026-12-01 printed nothing here).
-    grep -q -E "stage[12]_kernel" "$log" || { echo "no ncu counters; the log ends:"; tail -5 "$log"; }
+    grep -q -E "stage[12]_(wide_)?kernel" "$log" || { echo "no ncu counters; the log ends:"; tail -5 "$log"; }
   }
   for shape in ${NCU_SHAPES:-0 4 5}; do
     step "ncu, benchmark shape $shape: stage 1 and stage 2 of the second call"
