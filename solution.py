@@ -1880,18 +1880,15 @@ STAGE2_WIDE_SOURCE = "namespace moe {\n" + _wgmma_bf16_source(WIDE_TILE_TOKENS) 
 // and add. A CTA streams row_tiles row tiles of 128 output columns, the
 // next tile's stages loading while it adds one into the accumulator.
 constexpr int kWideTokens = """ + str(WIDE_TILE_TOKENS) + r""";
-struct WideStage2 {
-    static constexpr int kStageBlocks = 4, kRing = 3;
-    static constexpr int kConsumerWarps = 8, kThreads = (kConsumerWarps + 1) * 32;
+// A wide tile's pipeline stage (both stages' wide kernels): 4 scale blocks
+// of K for kRows weight rows and kWideTokens tokens.
+struct WideLayout {
+    static constexpr int kStageBlocks = 4, kConsumerWarps = 8;
     static constexpr int kActBytes = kWideTokens * kStageBlocks * kScaleBlock * 2;
     static constexpr int kWeightBytes = kRows * kStageBlocks * 16;
     static constexpr int kScaleBytes = kRows * kStageBlocks;
     static constexpr int kActOffset = 0, kWeightOffset = kActBytes, kScaleOffset = kWeightOffset + kWeightBytes;
     static constexpr int kStageBytes = (kActBytes + kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
-    static constexpr int kEpilogueBytes = kWideTokens * kStage2YStride * (int)sizeof(float);
-    // Dynamic shared memory is 16-byte aligned; the stages need 1024.
-    static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
-    static_assert(kSharedBytes <= 227 * 1024, "one CTA per SM");
     // The activations in the 128-byte swizzle (as GemmShape::act_offset): 64
     // k of a token per 128-byte row, 8-token atoms, the stage's two halves of
     // K one after the other.
@@ -1904,6 +1901,70 @@ struct WideStage2 {
         return row * (kStageBlocks * 16) + ((chunk ^ ((row >> 1) & 3)) << 4);
     }
 };
+struct WideStage2 : WideLayout {
+    static constexpr int kRing = 3, kThreads = (kConsumerWarps + 1) * 32;
+    static constexpr int kEpilogueBytes = kWideTokens * kStage2YStride * (int)sizeof(float);
+    // Dynamic shared memory is 16-byte aligned; the stages need 1024.
+    static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
+    static_assert(kSharedBytes <= 227 * 1024, "one CTA per SM");
+};
+
+// A consumer warp's stage s of a wide kernel: wait for its slot, convert
+// the warp's 16 weight rows (local rows first_row.., at shared-memory rows
+// smem_row(r)) block by block and issue its warpgroup's MMAs over the
+// tile's tokens, adding into acc (first_of_tile: the first MMA starts it,
+// scale-d 0, so no accumulator is zeroed between row tiles); once the
+// previous stage's MMAs are complete, release that stage's slot.
+template <int kRing, typename SmemRow>
+__device__ __forceinline__ void wide_compute_stage(float (&acc)[kWideTokens / 8][4], uint8_t* smem, uint64_t* full,
+                                                   uint64_t* empty, int s, bool first_of_tile, int first_row,
+                                                   int lane, SmemRow smem_row) {
+    using W = WideLayout;
+    constexpr int SB = W::kStageBlocks;
+    const int slot = s % kRing, g = lane >> 2;
+    mbarrier_wait(&full[slot], (s / kRing) & 1);
+    const uint8_t* base = smem + slot * W::kStageBytes;
+    // Rows g and g+8: their four scale bytes; the warp's path (every warp of
+    // a warpgroup issues the same MMAs either way).
+    uint32_t scales[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
+    const bool wide = __any_sync(0xFFFFFFFFu, any_scale_above(scales[0], 128u) || any_scale_above(scales[1], 128u));
+    const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
+    auto load_words = [&](uint32_t (&words)[4], int bp) {
+        ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
+                                                                      bp + (lane >> 4)));
+    };
+    uint32_t w[4];
+    load_words(w, 0);
+#pragma unroll
+    for (int bp = 0; bp < SB; bp += 2) {
+        uint32_t next[4];
+        if (bp + 2 < SB) load_words(next, bp + 2);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int block = bp + q;
+            uint32_t a[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, wide);
+            wgmma_fence();
+#pragma unroll
+            for (int step = 0; step < 2; ++step)
+                wgmma_m64n""" + str(WIDE_TILE_TOKENS) + r"""k16(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
+                                   !first_of_tile || block > 0 || step > 0);
+            wgmma_commit();
+            wgmma_wait<1>();
+            // The previous stage's MMAs are complete: its slot may refill.
+            // (Every lane arrives: a branch on the lane here made ptxas
+            // serialise the MMAs, C7518.)
+            if (block == 0 && s > 0) mbarrier_arrive(&empty[(s - 1) % kRing]);
+        }
+        if (bp + 2 < SB)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) w[i] = next[i];
+    }
+}
 
 __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
         const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
@@ -1980,50 +2041,9 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
     // stages, with the epilogue inside, made ptxas wait for every stage's
     // last MMAs, C7517).
     for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
-      for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s) {
-        const int slot = s % kRing;
-        mbarrier_wait(&full[slot], (s / kRing) & 1);
-        const uint8_t* base = smem + slot * W::kStageBytes;
-        // Rows g and g+8: their four scale bytes; the warp's path (every
-        // warp of a warpgroup issues the same MMAs either way).
-        uint32_t scales[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-            scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
-        const bool wide = __any_sync(0xFFFFFFFFu, any_scale_above(scales[0], 128u) || any_scale_above(scales[1], 128u));
-        const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
-        auto load_words = [&](uint32_t (&words)[4], int bp) {
-            ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(first_row + (lane & 15), bp + (lane >> 4)));
-        };
-        uint32_t w[4];
-        load_words(w, 0);
-#pragma unroll
-        for (int bp = 0; bp < SB; bp += 2) {
-            uint32_t next[4];
-            if (bp + 2 < SB) load_words(next, bp + 2);
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int block = bp + q;
-                uint32_t a[2][4];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, wide);
-                wgmma_fence();
-#pragma unroll
-                for (int step = 0; step < 2; ++step)
-                    wgmma_m64n""" + str(WIDE_TILE_TOKENS) + r"""k16(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
-                                       stage_in_tile > 0 || block > 0 || step > 0);
-                wgmma_commit();
-                wgmma_wait<1>();
-                // The previous stage's MMAs are complete: its slot may refill.
-                // (Every lane arrives: a branch on the lane here made ptxas
-                // serialise the MMAs, C7518.)
-                if (block == 0 && s > 0) mbarrier_arrive(&empty[(s - 1) % kRing]);
-            }
-            if (bp + 2 < SB)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) w[i] = next[i];
-        }
-      }
+        for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
+            wide_compute_stage<kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
+                                      [](int r) { return r; });
         // The row tile done: add it into the accumulator.
         wgmma_wait<0>();
 #pragma unroll
