@@ -311,7 +311,7 @@ namespace moe {
 // that a GEMM reads either with one load), and the tile table (expert, first
 // sorted row) of tiles of tile_tokens rows that both GEMM stages walk (with
 // wide_tile_tokens > 0, also a table of tiles that many rows, wide_tiles,
-// for the wide stage 2). Ids
+// for the wide kernels). Ids
 // outside [0, E) are counted in bad_ids and skipped, so no kernel ever
 // indexes out of bounds. Order within an expert is not fixed: every row of a
 // GEMM tile is computed independently of the others.
@@ -425,17 +425,17 @@ class KernelConfig(NamedTuple):
     wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
     fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 to 32 tokens)
     stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (e4m3: 32, two MMA tiles)
-    stage2_tile_tokens: int = 0   # WIDE_TILE_TOKENS: stage 2 over wide tiles (bf16 wgmma configs); 0: tile_tokens
+    wide_tile_tokens: int = 0   # WIDE_TILE_TOKENS: both stages over wide tiles, warp-specialised (bf16 wgmma)
 
     def __str__(self):
         return ("%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
                 + (f"+{self.stage2_warp_rows}x{self.warp_tokens}" if self.stage2_warp_rows else "")
-                + (f"+wide{self.stage2_tile_tokens}" if self.stage2_tile_tokens else ""))
+                + (f"+wide{self.wide_tile_tokens}" if self.wide_tile_tokens else ""))
 
 
-# Tokens per tile of the wide stage 2 (stage2_wide_kernel): at 512 tokens and
-# 32 routed experts an expert has 128 +- 11 tokens, which 144 cover in one
-# tile for most experts.
+# Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
+# at 512 tokens and 32 routed experts an expert has 128 +- 11 tokens, which
+# 144 cover in one tile for most experts.
 WIDE_TILE_TOKENS = 144
 
 
@@ -445,8 +445,8 @@ GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8,
                 KernelConfig(64, 16, 64, 4, 4, True), KernelConfig(64, 16, 64, 4, 4, True, False, 0, WIDE_TILE_TOKENS),
                 KernelConfig(8, 16, 8, 8, 4, True, True, 32), KernelConfig(16, 16, 16, 8, 3, True, True),
                 KernelConfig(24, 16, 24, 8, 3, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
-# The kernels' template arguments, once each (a config with the wide stage 2
-# shares its stage 1 with the plain one).
+# The kernels' template arguments, once each (a config with wide tiles
+# shares them with the plain one).
 GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(dict.fromkeys(
     f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
     f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, {(c.stage2_warp_rows or c.warp_rows) // 16})"
@@ -1839,7 +1839,7 @@ MOE_INSTANTIATE_QA(true)
 """
 
 # ===========================================================================
-# Kernel source: stage 2 over wide tiles (bf16, sm_90a, warp-specialised)
+# Kernel source: both stages over wide tiles (bf16, sm_90a, warp-specialised)
 # ===========================================================================
 def _wgmma_bf16_source(n: int) -> str:
     """The m64n{n}k16 bf16 warpgroup MMA wrapper (n/2 accumulator registers,
@@ -1905,6 +1905,14 @@ struct WideStage2 : WideLayout {
     static constexpr int kRing = 3, kThreads = (kConsumerWarps + 1) * 32;
     static constexpr int kEpilogueBytes = kWideTokens * kStage2YStride * (int)sizeof(float);
     // Dynamic shared memory is 16-byte aligned; the stages need 1024.
+    static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
+    static_assert(kSharedBytes <= 227 * 1024, "one CTA per SM");
+};
+// Stage 1's wide CTA: four loading warps (the tile's tokens are gathered
+// rows of act: 16-byte copies, 18 per thread per stage) and a deeper ring.
+struct WideStage1 : WideLayout {
+    static constexpr int kRing = 4, kProducerWarps = 4, kThreads = (kConsumerWarps + kProducerWarps) * 32;
+    static constexpr int kEpilogueBytes = kWideTokens * kStage1HStride * (int)sizeof(float);
     static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
     static_assert(kSharedBytes <= 227 * 1024, "one CTA per SM");
 };
@@ -2066,6 +2074,144 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
     }
 }
 
+// Stage 1 over wide tiles: CTA (wide tile, y, z) computes what
+// stage1_kernel's CTA (tile, y, z) does (intermediate columns [64y,
+// 64y+64), the z-th slice of K, SwiGLU and Qa or the slice's partial sums),
+// warp-specialised as stage2_wide_kernel. Warps 8-11 load: the gate and up
+// rows by TMA (two boxes, their rows interleaved 8 by 8 as stage1_kernel's
+// weight_smem_row), the tile's tokens (rows of act through sorted_tokens)
+// and the weight scales by cp.async. A loading thread marks a stage full
+// once its copies have landed and it has fenced them for the tensor cores'
+// reads (the async proxy), so it arrives a stage late.
+__global__ void __launch_bounds__(WideStage1::kThreads, 1) stage1_wide_kernel(
+        const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
+        const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
+        const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
+        uint8_t* __restrict__ inter, float2* __restrict__ partial, int num_pairs,
+        const __grid_constant__ TensorMap weight_map) {
+    using W = WideStage1;
+    constexpr int SB = W::kStageBlocks, kRing = W::kRing;
+    extern __shared__ __align__(16) uint8_t smem_base[];
+    __shared__ uint64_t full[kRing], empty[kRing];
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
+    Tile tile;
+    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kWideTokens)) return;
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_base) + 1023) & ~uintptr_t(1023));
+    float* h = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
+    const int col0 = blockIdx.y * kStage1Columns;
+    const int first_block = blockIdx.z * split_blocks;
+    const int k_blocks = min(split_blocks, (d_hidden + kScaleBlock - 1) / kScaleBlock - first_block);
+    const int n_stages = (k_blocks + SB - 1) / SB;
+    const int expert_rows = 2 * d_expert_pad;
+    if (tid == 0)
+        for (int j = 0; j < kRing; ++j) {
+            mbarrier_init(&full[j], 1 + W::kProducerWarps * 32);   // the TMA thread's arrival and bytes, each loader's
+            mbarrier_init(&empty[j], W::kConsumerWarps * 32);
+        }
+    fence_mbarrier_init();
+    __syncthreads();
+
+    if (warp >= W::kConsumerWarps) {   // the loads
+        const int p = tid - W::kConsumerWarps * 32;
+        constexpr int kChunks = SB * kScaleBlock * 2 / 16;                   // a token's 16-byte chunks per stage
+        constexpr int kTokensPerPass = W::kProducerWarps * 32 / kChunks;
+        constexpr int kPasses = kWideTokens / kTokensPerPass;
+        static_assert(kWideTokens % kTokensPerPass == 0, "token passes");
+        const int chunk = p % kChunks;
+        // This thread's tokens p / kChunks + kTokensPerPass * j: their act
+        // rows' byte offsets, or -1 past the tile's end (zero-filled).
+        long long src_row[kPasses];
+#pragma unroll
+        for (int j = 0; j < kPasses; ++j) {
+            const int token = p / kChunks + kTokensPerPass * j;
+            src_row[j] = token < tile.rows ? (long long)sorted_tokens[tile.row_start + token] * d_hidden_pad * 2 : -1;
+        }
+        // Local weight row p's scales (stage1_kernel's weight_row_of).
+        const uint8_t* scale_src = gate_up_scale
+            + ((size_t)tile.expert * expert_rows + ((p >> 3) & 1) * d_expert_pad + col0 + (p >> 4) * 8 + (p & 7))
+              * (d_hidden_pad / kScaleBlock) + first_block;
+        for (int s = 0; s < n_stages; ++s) {
+            const int slot = s % kRing, block0 = s * SB, valid_blocks = k_blocks - block0;
+            if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
+            uint8_t* base = smem + slot * W::kStageBytes;
+            if (p == 0) {
+                // Whole boxes: past the GEMM's K the map reads zeros.
+                mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    tma_load_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map,
+                                (first_block + block0) * 16, tile.expert * expert_rows + col0 + i * d_expert_pad,
+                                &full[slot]);
+            }
+            const bool chunk_valid = chunk / (kChunks / SB) < valid_blocks;
+#pragma unroll
+            for (int j = 0; j < kPasses; ++j) {
+                const bool valid = chunk_valid && src_row[j] >= 0;
+                cp_async_16(base + W::kActOffset + W::act_offset(p / kChunks + kTokensPerPass * j, chunk),
+                            valid ? act + src_row[j] + (size_t)(first_block + block0) * (kScaleBlock * 2) + chunk * 16
+                                  : act,
+                            valid ? 16 : 0);
+            }
+            cp_async_small<4>(base + W::kScaleOffset + p * SB, scale_src + block0, min(SB, valid_blocks));
+            cp_async_commit();
+            if (s > 0) {   // the previous stage's copies have landed: fence them, mark that stage full
+                cp_async_wait<1>();
+                fence_async_shared();
+                mbarrier_arrive(&full[(s - 1) % kRing]);
+            }
+        }
+        cp_async_wait<0>();
+        fence_async_shared();
+        mbarrier_arrive(&full[(n_stages - 1) % kRing]);
+        return;
+    }
+
+    // Warp w: local rows 16w..16w+15, the gate rows of intermediate columns
+    // 8w..8w+7 (g) and their up rows (g+8).
+    const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
+    float acc[kWideTokens / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kWideTokens / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+    for (int s = 0; s < n_stages; ++s)
+        wide_compute_stage<kRing>(acc, smem, full, empty, s, s == 0, first_row, lane, [](int r) {
+            return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
+        });
+    wgmma_wait<0>();
+    const int local_col = warp * 8 + g;
+    if (gridDim.z > 1) {
+        float2* out = partial + (size_t)blockIdx.z * num_pairs * d_expert_pad;
+#pragma unroll
+        for (int nt = 0; nt < kWideTokens / 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int token = nt * 8 + 2 * t + j;
+                if (token < tile.rows)
+                    out[(size_t)(tile.row_start + token) * d_expert_pad + col0 + local_col] =
+                        make_float2(acc[nt][j], acc[nt][2 + j]);
+            }
+        return;
+    }
+    // SwiGLU, then Qa per 32-column block through shared memory (as stage1_kernel).
+#pragma unroll
+    for (int nt = 0; nt < kWideTokens / 8; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            h[(nt * 8 + 2 * t + j) * kStage1HStride + local_col] =
+                col0 + local_col < d_expert ? swiglu_bf16(acc[nt][j], acc[nt][2 + j]) : 0.0f;
+    named_barrier_sync(1, W::kConsumerWarps * 32);
+    for (int item = warp; item < tile.rows * 2; item += W::kConsumerWarps) {
+        const int token = item >> 1, block = item & 1;
+        const size_t row = tile.row_start + token, col = col0 + block * kScaleBlock;
+        quantize_block_warp<false>(h[token * kStage1HStride + block * 32 + lane], lane,
+                                   inter + (row * d_expert_pad + col) * 2, nullptr);
+    }
+}
+
 }  // namespace moe
 """
 
@@ -2214,11 +2360,7 @@ int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCo
 // partial sums, so take the fewest slices whose CTAs fill their last wave to
 // at least 85% (at most one slice per four stages of K; the best fill there
 // if none reaches 85%).
-template <typename S, typename Kernel>
-int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n_experts, int k_blocks) {
-    const int slots = ctas_per_sm(kernel, S::kThreads, smem) * sm_count();
-    const int ctas = estimated_tiles<S>(num_pairs, n_experts) * cta_columns;
-    const int k_stages = (k_blocks + S::kStageBlocks - 1) / S::kStageBlocks;
+int splits_to_fill(long long slots, long long ctas, int k_stages) {
     int best = 1;
     double best_fill = 0.0;
     for (int splits = 1; splits <= std::max(1, k_stages / 4); ++splits) {
@@ -2228,6 +2370,16 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n
         if (fill > best_fill) { best = splits; best_fill = fill; }
     }
     return best;
+}
+template <typename S, typename Kernel>
+int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n_experts, int k_blocks) {
+    return splits_to_fill((long long)ctas_per_sm(kernel, S::kThreads, smem) * sm_count(),
+                          (long long)estimated_tiles<S>(num_pairs, n_experts) * cta_columns,
+                          (k_blocks + S::kStageBlocks - 1) / S::kStageBlocks);
+}
+// The wide tiles a call will have (as estimated_tiles).
+int estimated_wide_tiles(int num_pairs, int n_experts) {
+    return num_pairs / kWideTokens + std::min(n_experts, num_pairs) / 2 + 1;
 }
 
 // Row tiles per stage-2 CTA. A CTA over several row tiles keeps the next
@@ -2278,9 +2430,19 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     const int all_stages = SB * STAGES;   // the most of any launch: K fills every slot
     allow_shared_memory(stage1, shared_bytes1(all_stages));
     allow_shared_memory(stage2, shared_bytes2(all_stages, S2::kRowTiles ? 2 : 1));
+    // Wide tiles (max_wide_tiles > 0): both stages' wide kernels, one CTA per SM.
+    const bool wide = max_wide_tiles > 0;
+    TORCH_CHECK(!wide || (WG && !FP8 && SB == WideLayout::kStageBlocks),
+                "moe_mxfp4: wide tiles follow bf16 warpgroup-MMA configs of 4-block stages");
+    if (wide) {
+        allow_shared_memory(stage1_wide_kernel, WideStage1::kSharedBytes);
+        allow_shared_memory(stage2_wide_kernel, WideStage2::kSharedBytes);
+    }
 
     const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
     int splits = requested_splits > 0 ? requested_splits
+        : wide ? splits_to_fill(sm_count(), (long long)estimated_wide_tiles(num_pairs, n_experts) * columns1,
+                                (k_blocks1 + SB - 1) / SB)
         : stage1_splits<S1>(stage1, shared_bytes1(k_blocks1), columns1, num_pairs, n_experts, k_blocks1);
     // Whole stages per slice; rounding up may leave fewer, fuller slices.
     const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
@@ -2295,11 +2457,18 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
         ? tensor_map(gate_up_weight.data_ptr<uint8_t>(), gate_up_weight.size(0) * gate_up_weight.size(1),
                      k_blocks1 * 16, d_hidden_pad / 2, SB * 16, kRows / 2)
         : TensorMap{};
-    launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S1::kThreads, smem1, stream,
-        gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
-        act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
-        d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
-        partial_ptr, num_pairs, weight_map1);
+    if (wide)
+        launch_after_previous(stage1_wide_kernel, dim3(max_wide_tiles, columns1, splits), WideStage1::kThreads,
+            WideStage1::kSharedBytes, stream,
+            gate_up_scale.data_ptr<uint8_t>(), act.bytes(), sorted_tokens, expert_offsets, wide_tiles, num_wide_tiles,
+            d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), partial_ptr, num_pairs,
+            weight_map1);
+    else
+        launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S1::kThreads, smem1, stream,
+            gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
+            act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
+            d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
+            partial_ptr, num_pairs, weight_map1);
     if (splits > 1)
         launch_after_previous(swiglu_quantize_kernel<FP8>, dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
             kSwigluWarps * 32, 0, stream,
@@ -2307,13 +2476,10 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
             inter.scales());
 
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
-    if (max_wide_tiles > 0) {   // stage 2 over the routing's wide tiles
-        TORCH_CHECK(WG && !FP8 && SB == WideStage2::kStageBlocks,
-                    "moe_mxfp4: the wide stage 2 follows bf16 warpgroup-MMA configs of 4-block stages");
-        allow_shared_memory(stage2_wide_kernel, WideStage2::kSharedBytes);
+    if (wide) {
         // One CTA per SM: the most row tiles per CTA (up to 8) that leave
         // two waves of CTAs.
-        const long long wide_tiles_estimate = num_pairs / kWideTokens + std::min(n_experts, num_pairs) / 2 + 1;
+        const long long wide_tiles_estimate = estimated_wide_tiles(num_pairs, n_experts);
         int row_tiles = 1;
         for (int r = 8; r > 1 && requested_row_tiles <= 0; r /= 2)
             if (wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * sm_count()) {
@@ -2368,7 +2534,7 @@ torch::Tensor moe_forward(
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
         int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
-        int64_t stage2_warp_rows, int64_t stage2_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles) {
+        int64_t stage2_warp_rows, int64_t wide_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles) {
     using namespace moe;
     const int64_t warp_rows2 = stage2_warp_rows > 0 ? stage2_warp_rows : warp_rows;
 #define MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
@@ -2381,11 +2547,10 @@ torch::Tensor moe_forward(
     TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens, ", warp_rows=", warp_rows,
                 ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages,
                 ", wgmma=", wgmma, ", fp8=", fp8, ", stage2_warp_rows=", stage2_warp_rows);
-    TORCH_CHECK(stage2_tile_tokens == 0 || stage2_tile_tokens == tile_tokens
-                || (stage2_tile_tokens == kWideTokens && wgmma && !fp8),
-                "moe_mxfp4: stage 2 tiles of ", stage2_tile_tokens, " tokens: only ", kWideTokens,
-                ", after a bf16 warpgroup-MMA stage 1");
-    const bool wide_stage2 = stage2_tile_tokens == kWideTokens && stage2_tile_tokens != tile_tokens;
+    TORCH_CHECK(wide_tile_tokens == 0 || (wide_tile_tokens == kWideTokens && wgmma && !fp8),
+                "moe_mxfp4: wide tiles of ", wide_tile_tokens, " tokens: only ", kWideTokens,
+                ", with a bf16 warpgroup-MMA config");
+    const bool use_wide_tiles = wide_tile_tokens == kWideTokens;
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -2398,7 +2563,7 @@ torch::Tensor moe_forward(
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // Tiles: at most one partial tile per expert that has any pair.
     const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
-    const int max_wide_tiles = wide_stage2 ? num_pairs / kWideTokens + std::min(n_experts, num_pairs) + 1 : 0;
+    const int max_wide_tiles = use_wide_tiles ? num_pairs / kWideTokens + std::min(n_experts, num_pairs) + 1 : 0;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
     auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 1},
                                 int_opts);
@@ -2422,7 +2587,7 @@ torch::Tensor moe_forward(
                          route_smem, stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
-        wide_stage2 ? kWideTokens : 0, wide_tiles, num_wide_tiles,
+        use_wide_tiles ? kWideTokens : 0, wide_tiles, num_wide_tiles,
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
@@ -2450,7 +2615,7 @@ torch::Tensor moe_forward(
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
     int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
-    int64_t stage2_warp_rows, int64_t stage2_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles);
+    int64_t stage2_warp_rows, int64_t wide_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles);
 """
 
 # ===========================================================================
@@ -2565,9 +2730,9 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     issue-bound, while its stage 1 was slower so). Beyond them 64-token tiles
     win: each warp converts its weights once for all 64 tokens, and on sm_90
     warpgroup MMAs read the tokens from shared memory without ldmatrix. With
-    more than 96 tokens per expert on sm_90, stage 2 runs over wide tiles of
-    WIDE_TILE_TOKENS (stage2_wide_kernel), converting each weight once for
-    that many tokens."""
+    more than 96 tokens per expert on sm_90, both stages run over wide tiles
+    of WIDE_TILE_TOKENS (warp-specialised kernels), converting each weight
+    once for that many tokens."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
         return KernelConfig(8, 16, 8, 8, 4, True, True, 32) if wgmma else KernelConfig(8, 16, 8, 8, 4, False)

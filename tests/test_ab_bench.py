@@ -13,8 +13,8 @@ def test_stage_split_sums_each_stage_and_leaves_the_rest():
     assert ab_bench.stage_split(times) == pytest.approx((60.0, 38.5, 7.7))
 
 
-def test_stage_split_counts_the_wide_stage_2_as_stage_2():
-    times = {"stage1_kernel": 60.0, "stage2_wide_kernel": 30.0, "convert_output_kernel": 1.0}
+def test_stage_split_counts_the_wide_kernels_as_their_stages():
+    times = {"stage1_wide_kernel": 60.0, "stage2_wide_kernel": 30.0, "convert_output_kernel": 1.0}
     assert ab_bench.stage_split(times) == pytest.approx((60.0, 30.0, 1.0))
 
 

@@ -40,6 +40,9 @@ int main() {
     printf("%-34s %8s %12s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048");
 #define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
     MOE_GEMM_CONFIGS(MOE_SHOW)
+    printf("wide stage 1, %d tokens: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", kWideTokens,
+           WideStage1::kSharedBytes / 1024.0, WideStage1::kRing, WideStage1::kStageBytes / 1024.0,
+           WideStage1::kEpilogueBytes / 1024.0);
     printf("wide stage 2, %d tokens: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", kWideTokens,
            WideStage2::kSharedBytes / 1024.0, WideStage2::kRing, WideStage2::kStageBytes / 1024.0,
            WideStage2::kEpilogueBytes / 1024.0);
