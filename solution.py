@@ -1938,6 +1938,12 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kWideTokens / 8]
 #pragma unroll
     for (int h = 0; h < 2; ++h)
         scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
+    // (ptxas predicates the two paths' conversions, so both issue: about 70
+    // instructions of a stage's 375. Straight-line code per path, by a
+    // branch per stage or a loop per path, made it serialise every MMA
+    // instead, C7513, with the second k16 step's fragments computed into the
+    // first's registers after its MMA issued, even with both MMAs in one asm
+    // statement.)
     const bool wide = __any_sync(0xFFFFFFFFu, any_scale_above(scales[0], 128u) || any_scale_above(scales[1], 128u));
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
     auto load_words = [&](uint32_t (&words)[4], int bp) {
