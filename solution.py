@@ -694,6 +694,13 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
     asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(barrier)) : "memory");
 #endif
 }
+// mbarrier_arrive where `arrive` holds, predicated rather than branched on.
+__device__ __forceinline__ void mbarrier_arrive_if(uint64_t* barrier, bool arrive) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n}\n"
+                 :: "r"(smem_addr(barrier)), "r"((uint32_t)arrive) : "memory");
+#endif
+}
 __device__ __forceinline__ void cp_async_arrive(uint64_t* barrier) {
 #ifdef MOE_HAS_WGMMA
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(barrier)) : "memory");
@@ -1938,46 +1945,50 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kWideTokens / 8]
 #pragma unroll
     for (int h = 0; h < 2; ++h)
         scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
-    // (ptxas predicates the two paths' conversions, so both issue: about 70
-    // instructions of a stage's 375. Straight-line code per path, by a
-    // branch per stage or a loop per path, made it serialise every MMA
-    // instead, C7513, with the second k16 step's fragments computed into the
-    // first's registers after its MMA issued, even with both MMAs in one asm
-    // statement.)
     const bool wide = __any_sync(0xFFFFFFFFu, any_scale_above(scales[0], 128u) || any_scale_above(scales[1], 128u));
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
     auto load_words = [&](uint32_t (&words)[4], int bp) {
         ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
                                                                       bp + (lane >> 4)));
     };
-    uint32_t w[4];
-    load_words(w, 0);
+    // The stage's blocks, called with a constant path so that each path is
+    // its own straight-line code (with the path a runtime value inside,
+    // ptxas predicated both paths' conversions and issued both).
+    auto compute = [&](const bool kWide) {
+        uint32_t w[4];
+        load_words(w, 0);
 #pragma unroll
-    for (int bp = 0; bp < SB; bp += 2) {
-        uint32_t next[4];
-        if (bp + 2 < SB) load_words(next, bp + 2);
+        for (int bp = 0; bp < SB; bp += 2) {
+            uint32_t next[4];
+            if (bp + 2 < SB) load_words(next, bp + 2);
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const int block = bp + q;
-            uint32_t a[2][4];
+            for (int q = 0; q < 2; ++q) {
+                const int block = bp + q;
+                uint32_t a[2][4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, wide);
-            wgmma_fence();
+                for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);
+                wgmma_fence();
 #pragma unroll
-            for (int step = 0; step < 2; ++step)
-                wgmma_m64n""" + str(WIDE_TILE_TOKENS) + r"""k16(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
-                                   !first_of_tile || block > 0 || step > 0);
-            wgmma_commit();
-            wgmma_wait<1>();
-            // The previous stage's MMAs are complete: its slot may refill.
-            // (Every lane arrives: a branch on the lane here made ptxas
-            // serialise the MMAs, C7518.)
-            if (block == 0 && s > 0) mbarrier_arrive(&empty[(s - 1) % kRing]);
+                for (int step = 0; step < 2; ++step)
+                    wgmma_m64n""" + str(WIDE_TILE_TOKENS) + r"""k16(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
+                                       !first_of_tile || block > 0 || step > 0);
+                wgmma_commit();
+                wgmma_wait<1>();
+                // The previous stage's MMAs are complete: its slot may
+                // refill. Every lane arrives, and the arrival is predicated,
+                // not branched on: a branch here (on the lane, or on s > 0)
+                // made ptxas serialise the MMAs (C7518, C7513).
+                if (block == 0) mbarrier_arrive_if(&empty[(s + kRing - 1) % kRing], s > 0);
+            }
+            if (bp + 2 < SB)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) w[i] = next[i];
         }
-        if (bp + 2 < SB)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) w[i] = next[i];
-    }
+    };
+    if (wide)
+        compute(true);
+    else
+        compute(false);
 }
 
 __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
