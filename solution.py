@@ -1939,13 +1939,19 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kWideTokens / 8]
     const int slot = s % kRing, g = lane >> 2;
     mbarrier_wait(&full[slot], (s / kRing) & 1);
     const uint8_t* base = smem + slot * W::kStageBytes;
-    // Rows g and g+8: their four scale bytes; the warp's path (every warp of
-    // a warpgroup issues the same MMAs either way).
+    // Rows g and g+8: their four scale bytes.
     uint32_t scales[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
         scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
-    const bool wide = __any_sync(0xFFFFFFFFu, any_scale_above(scales[0], 128u) || any_scale_above(scales[1], 128u));
+    // The path, voted over the warpgroup's 64 rows (lane: rows 2 lane, 2 lane
+    // + 1): a warpgroup's MMAs must be the same instructions in all four of
+    // its warps, and a warp's own 16 rows gave warps of one warpgroup
+    // different paths (NaN on an H200, 2026-12-01).
+    const uint2 group_scales = *reinterpret_cast<const uint2*>(
+        base + W::kScaleOffset + ((first_row & ~63) + 2 * lane) * SB);
+    const bool wide = __any_sync(0xFFFFFFFFu, any_scale_above(group_scales.x, 128u)
+                                                  || any_scale_above(group_scales.y, 128u));
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
     auto load_words = [&](uint32_t (&words)[4], int bp) {
         ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
@@ -2247,6 +2253,7 @@ HOST_SOURCE = r"""
 #if !defined(USE_ROCM)
 #include <cudaTypedefs.h>
 #endif
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <set>
@@ -2365,9 +2372,35 @@ struct Activations {
 // The GEMM tiles a call will have, estimated as pairs / tile_tokens plus
 // half the active experts: the host does not know the routing, and must not
 // wait for it.
-template <typename S>
-int estimated_tiles(int num_pairs, int n_experts) {
-    return num_pairs / S::kTokens + std::min(n_experts, num_pairs) / 2 + 1;
+int estimated_tiles(int num_pairs, int n_experts, int tile_tokens) {
+    return num_pairs / tile_tokens + std::min(n_experts, num_pairs) / 2 + 1;
+}
+// The tiles a call is expected to have, from a model of the routing: each
+// shared expert (the last n_shared ids of every token) fills m / tile_tokens
+// tiles rounded up, and a routed expert's pair count is taken as Poisson
+// with the routed mean (normal beyond a mean of 30), ceil(n / T) having
+// expectation sum over j >= 0 of P(n > jT). estimated_tiles overcounts
+// experts with fewer than T pairs: 49 wide tiles for the ~38 at bs=512
+// E=33, where it chose one slice of stage 1's K and two were 9% faster
+// (H200, 2026-12-01).
+double expected_tiles(int m, int top_k, int n_experts, int n_shared, int tile_tokens) {
+    if (n_shared < 0 || n_shared >= std::min(top_k, n_experts)) n_shared = 0;
+    const int routed = n_experts - n_shared;
+    const double mean = (double)m * (top_k - n_shared) / routed, sd = std::sqrt(mean);
+    double per_expert = 0.0;
+    if (mean <= 30.0) {
+        double pmf = std::exp(-mean), cdf = 0.0;
+        for (int n = 0; n <= (int)(mean + 12.0 * sd) + tile_tokens; ++n, pmf *= mean / n) {
+            cdf += pmf;
+            if (n % tile_tokens == 0) per_expert += std::max(0.0, 1.0 - cdf);   // P(X > n)
+        }
+    } else {   // P(X > jT) is 1 below 12 sd under the mean, 0 above 12 over it
+        const int first = std::max(0, (int)((mean - 12.0 * sd) / tile_tokens));
+        per_expert = first;
+        for (int j = first; j * tile_tokens <= mean + 12.0 * sd; ++j)
+            per_expert += 0.5 * std::erfc((j * tile_tokens + 0.5 - mean) / (sd * std::sqrt(2.0)));
+    }
+    return n_shared * (double)((m + tile_tokens - 1) / tile_tokens) + routed * per_expert;
 }
 int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
@@ -2389,14 +2422,9 @@ int splits_to_fill(long long slots, long long ctas, int k_stages) {
     return best;
 }
 template <typename S, typename Kernel>
-int stage1_splits(Kernel kernel, int smem, int cta_columns, int num_pairs, int n_experts, int k_blocks) {
-    return splits_to_fill((long long)ctas_per_sm(kernel, S::kThreads, smem) * sm_count(),
-                          (long long)estimated_tiles<S>(num_pairs, n_experts) * cta_columns,
+int stage1_splits(Kernel kernel, int smem, int cta_columns, int tiles, int k_blocks) {
+    return splits_to_fill((long long)ctas_per_sm(kernel, S::kThreads, smem) * sm_count(), (long long)tiles * cta_columns,
                           (k_blocks + S::kStageBlocks - 1) / S::kStageBlocks);
-}
-// The wide tiles a call will have (as estimated_tiles).
-int estimated_wide_tiles(int num_pairs, int n_experts) {
-    return num_pairs / kWideTokens + std::min(n_experts, num_pairs) / 2 + 1;
 }
 
 // Row tiles per stage-2 CTA. A CTA over several row tiles keeps the next
@@ -2410,8 +2438,7 @@ int estimated_wide_tiles(int num_pairs, int n_experts) {
 // keeps one for bf16 warpgroup-MMA configs: see GemmShape::kRowTiles.)
 // shared_bytes_of(row_tiles): a CTA's shared memory.
 template <typename S, typename Kernel, typename SharedBytes>
-int stage2_row_tiles(Kernel kernel, SharedBytes shared_bytes_of, int num_pairs, int n_experts, int grid_rows) {
-    const int tiles = estimated_tiles<S>(num_pairs, n_experts);
+int stage2_row_tiles(Kernel kernel, SharedBytes shared_bytes_of, int tiles, int grid_rows) {
     const int per_sm = ctas_per_sm(kernel, S::kThreads, shared_bytes_of(1));
     const long long slots = (long long)per_sm * sm_count();
     for (int row_tiles = 8; row_tiles > 1; row_tiles /= 2)
@@ -2422,7 +2449,8 @@ int stage2_row_tiles(Kernel kernel, SharedBytes shared_bytes_of, int num_pairs, 
 }
 
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, int MT2>
-void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_experts, int requested_splits,
+void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wide_tiles_estimate, int num_pairs,
+                  int n_experts, int requested_splits,
                   int requested_row_tiles,
                   const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
                   const torch::Tensor& down_weight, const torch::Tensor& down_scale, const Activations& act,
@@ -2458,9 +2486,9 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
 
     const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
     int splits = requested_splits > 0 ? requested_splits
-        : wide ? splits_to_fill(sm_count(), (long long)estimated_wide_tiles(num_pairs, n_experts) * columns1,
+        : wide ? splits_to_fill(sm_count(), (long long)wide_tiles_estimate * columns1,
                                 (k_blocks1 + SB - 1) / SB)
-        : stage1_splits<S1>(stage1, shared_bytes1(k_blocks1), columns1, num_pairs, n_experts, k_blocks1);
+        : stage1_splits<S1>(stage1, shared_bytes1(k_blocks1), columns1, tiles_estimate, k_blocks1);
     // Whole stages per slice; rounding up may leave fewer, fuller slices.
     const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
     splits = (k_blocks1 + split_blocks - 1) / split_blocks;
@@ -2496,10 +2524,9 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     if (wide) {
         // One CTA per SM: the most row tiles per CTA (up to 8) that leave
         // two waves of CTAs.
-        const long long wide_tiles_estimate = estimated_wide_tiles(num_pairs, n_experts);
         int row_tiles = 1;
         for (int r = 8; r > 1 && requested_row_tiles <= 0; r /= 2)
-            if (wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * sm_count()) {
+            if ((long long)wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * sm_count()) {
                 row_tiles = r;
                 break;
             }
@@ -2519,7 +2546,7 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
     }
     const int row_tiles = !S2::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
         : stage2_row_tiles<S2>(stage2, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
-                               num_pairs, n_experts, grid_rows));
+                               tiles_estimate, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(k_blocks2, row_tiles);
     // Stage 2's TMA maps (kStage2WeightBoxes, kStage2ActTma): the weights as
@@ -2544,12 +2571,14 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int num_pairs, int n_exper
 // already validated by the Python dispatcher. Returns the [M, d_hidden] bf16
 // output, all NaN if any expert id lies outside [0, E): bad routing is never
 // silently wrong, and no host synchronisation is needed to say so.
-// stage1_splits: slices of stage 1's K, or 0 to choose (see stage1_splits);
+// n_shared_experts: how many of each token's ids (the last) are shared
+// experts, for the expected tile count only (0 if unknown); stage1_splits:
+// slices of stage 1's K, or 0 to choose (see stage1_splits);
 // stage2_row_tiles: row tiles per stage-2 CTA, or 0 to choose (see stage2_row_tiles).
 torch::Tensor moe_forward(
         torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
-        torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
+        torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t n_shared_experts, int64_t tile_tokens,
         int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
         int64_t stage2_warp_rows, int64_t wide_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles) {
     using namespace moe;
@@ -2596,6 +2625,11 @@ torch::Tensor moe_forward(
     const Activations inter(num_pairs, d_expert_pad, fp8, hidden_states.options());
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
+    // What the host expects of the routing, to size grids and K slices.
+    const int tiles_estimate = estimated_tiles(num_pairs, n_experts, (int)tile_tokens);
+    const int wide_tiles_estimate = use_wide_tiles
+        ? (int)std::lround(expected_tiles(m, top_k, n_experts, (int)n_shared_experts, kWideTokens)) : 0;
+
     const int route_smem = 3 * n_experts * (int)sizeof(int);
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
     const auto route_and_quantize = fp8 ? route_and_quantize_kernel<true> : route_and_quantize_kernel<false>;
@@ -2610,8 +2644,8 @@ torch::Tensor moe_forward(
 
 #define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                                           \
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2))                                                              \
-        launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8, MT2>(stream, max_tiles, num_pairs, n_experts,              \
-            (int)stage1_splits, (int)stage2_row_tiles,                                                        \
+        launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8, MT2>(stream, max_tiles, tiles_estimate,                  \
+            wide_tiles_estimate, num_pairs, n_experts, (int)stage1_splits, (int)stage2_row_tiles,            \
             gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_tokens, sorted_weights,      \
             expert_offsets, tiles, num_tiles, max_wide_tiles, wide_tiles, num_wide_tiles, (int)d_hidden,      \
             d_hidden_pad, (int)d_expert, d_expert_pad, inter, accumulator);
@@ -2630,7 +2664,7 @@ HOST_DECLARATION = """
 torch::Tensor moe_forward(
     torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
-    torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t tile_tokens,
+    torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t n_shared_experts, int64_t tile_tokens,
     int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
     int64_t stage2_warp_rows, int64_t wide_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles);
 """
@@ -2895,7 +2929,8 @@ def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = 
     return module.moe_forward(
         hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
         as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
-        config["d_hidden"], config["d_expert"], *kernel_config, stage1_splits, stage2_row_tiles)
+        config["d_hidden"], config["d_expert"], config.get("n_shared_experts", 0), *kernel_config, stage1_splits,
+        stage2_row_tiles)
 
 
 def _run_aiter(fused_moe, data: input_t) -> output_t:
