@@ -145,8 +145,8 @@ if asked ncu; then   # not part of "all": about a minute per shape and version
 fi
 if asked stalls; then
   shape=$(echo ${NCU_SHAPES:-5} | cut -d' ' -f1)
-  step "ncu source counters, stage 1 of benchmark shape $shape"
-  ncu_python ncu --clock-control none -k regex:stage1_kernel -s 1 -c 1 --section SourceCounters --section WarpStateStats \
+  step "ncu source counters, stage 1 (narrow or wide) of benchmark shape $shape"
+  ncu_python ncu --clock-control none -k regex:"stage1_(wide_)?kernel" -s 1 -c 1 --section SourceCounters --section WarpStateStats \
     -f -o "$OUT/stalls" "$python_binary" tools/profile_kernels.py --once "$shape" >"$OUT/stalls.log" 2>&1 || status=1
   ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass >"$OUT/stalls.csv" 2>>"$OUT/stalls.log" || status=1
   rm -f "$OUT/stalls.ncu-rep"
