@@ -2011,7 +2011,11 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
     let_next_kernel_launch();
     Tile tile;
     if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kWideTokens)) return;
-    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_base) + 1023) & ~uintptr_t(1023));
+    // The stages at 1024 bytes (dynamic shared memory is 16-byte aligned),
+    // by an offset from the array itself: through an integer cast the
+    // compiler no longer knows the pointer is shared, and every access
+    // became a generic LD/ST with 64-bit address work (SASS, 2026-12-01).
+    uint8_t* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);
     float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     // The warp index through a shuffle: warp-uniform to ptxas, so that the
     // consumer warps' MMAs are not in a path it thinks divergent.
@@ -2121,7 +2125,7 @@ __global__ void __launch_bounds__(WideStage1::kThreads, 1) stage1_wide_kernel(
     let_next_kernel_launch();
     Tile tile;
     if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kWideTokens)) return;
-    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_base) + 1023) & ~uintptr_t(1023));
+    uint8_t* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);   // as stage2_wide_kernel
     float* h = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
     const int col0 = blockIdx.y * kStage1Columns;
