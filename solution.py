@@ -436,7 +436,7 @@ class KernelConfig(NamedTuple):
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
 # at 512 tokens and 32 routed experts an expert has 128 +- 11 tokens, which
 # 144 cover in one tile for most experts.
-WIDE_TILE_TOKENS = 144
+WIDE_TILE_TOKENS = 64
 
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
@@ -2798,7 +2798,7 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     if tokens_per_expert <= 20:
         return KernelConfig(16, 16, 16, 8, 3, wgmma, wgmma)
     if wgmma:
-        return KernelConfig(64, 16, 64, 4, 4, True, False, 0, WIDE_TILE_TOKENS if tokens_per_expert > 96 else 0)
+        return KernelConfig(64, 16, 64, 4, 4, True, False, 0, WIDE_TILE_TOKENS)
     return KernelConfig(64, 16, 64, 4, 4, False) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4, False)
 
 

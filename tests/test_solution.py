@@ -102,7 +102,7 @@ def test_wrong_tuple_is_refused():
 @pytest.mark.parametrize("m, top_k, experts, d_expert, expected", [   # the measured best on the H200 (BENCHMARKS.md)
     (16, 9, 257, 256, (8, 16, 8, 8, 4, True, True, 32)), (128, 9, 257, 256, (8, 16, 8, 8, 4, True, True, 32)),
     (512, 9, 257, 256, (24, 16, 24, 8, 3, True, True)), (16, 9, 33, 512, (8, 16, 8, 8, 4, True, True, 32)),
-    (128, 9, 33, 512, (64, 16, 64, 4, 4, True, False)),
+    (128, 9, 33, 512, (64, 16, 64, 4, 4, True, False, 0, solution.WIDE_TILE_TOKENS)),
     (512, 9, 33, 512, (64, 16, 64, 4, 4, True, False, 0, solution.WIDE_TILE_TOKENS)),
     (512, 9, 33, 2048, (64, 16, 64, 4, 4, True, False, 0, solution.WIDE_TILE_TOKENS)),
     # measured off the benchmark shapes, near where the chooser switches tiles
