@@ -1913,15 +1913,15 @@ struct WideStage2 : WideLayout {
     static constexpr int kEpilogueBytes = kWideTokens * kStage2YStride * (int)sizeof(float);
     // Dynamic shared memory is 16-byte aligned; the stages need 1024.
     static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
-    static_assert(kSharedBytes <= 227 * 1024, "one CTA per SM");
+    static_assert(kSharedBytes <= 113 * 1024, "two CTAs per SM");
 };
 // Stage 1's wide CTA: four loading warps (the tile's tokens are gathered
 // rows of act: 16-byte copies, 18 per thread per stage) and a deeper ring.
 struct WideStage1 : WideLayout {
-    static constexpr int kRing = 4, kProducerWarps = 4, kThreads = (kConsumerWarps + kProducerWarps) * 32;
+    static constexpr int kRing = 3, kProducerWarps = 2, kThreads = (kConsumerWarps + kProducerWarps) * 32;
     static constexpr int kEpilogueBytes = kWideTokens * kStage1HStride * (int)sizeof(float);
     static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
-    static_assert(kSharedBytes <= 227 * 1024, "one CTA per SM");
+    static_assert(kSharedBytes <= 113 * 1024, "two CTAs per SM");
 };
 
 // A consumer warp's stage s of a wide kernel: wait for its slot, convert
@@ -1997,7 +1997,7 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kWideTokens / 8]
         compute(false);
 }
 
-__global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
+__global__ void __launch_bounds__(WideStage2::kThreads, 2) stage2_wide_kernel(
         const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
         const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
@@ -2087,6 +2087,7 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
             for (int i = 0; i < 4; ++i)
                 y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
         named_barrier_sync(1, W::kConsumerWarps * 32);
+#pragma unroll 1   // unrolled, it spilled at two CTAs per SM's 96 registers
         for (int item = tid; item < tile.rows * (kRows / 4); item += W::kConsumerWarps * 32) {
             const int token = item / (kRows / 4), quad = item % (kRows / 4);
             const int col = row0 + row_tile * kRows + quad * 4;
@@ -2110,7 +2111,7 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
 // and the weight scales by cp.async. A loading thread marks a stage full
 // once its copies have landed and it has fenced them for the tensor cores'
 // reads (the async proxy), so it arrives a stage late.
-__global__ void __launch_bounds__(WideStage1::kThreads, 1) stage1_wide_kernel(
+__global__ void __launch_bounds__(WideStage1::kThreads, 2) stage1_wide_kernel(
         const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
@@ -2156,10 +2157,16 @@ __global__ void __launch_bounds__(WideStage1::kThreads, 1) stage1_wide_kernel(
             const int token = p / kChunks + kTokensPerPass * j;
             src_row[j] = token < tile.rows ? (long long)sorted_tokens[tile.row_start + token] * d_hidden_pad * 2 : -1;
         }
-        // Local weight row p's scales (stage1_kernel's weight_row_of).
-        const uint8_t* scale_src = gate_up_scale
-            + ((size_t)tile.expert * expert_rows + ((p >> 3) & 1) * d_expert_pad + col0 + (p >> 4) * 8 + (p & 7))
-              * (d_hidden_pad / kScaleBlock) + first_block;
+        // Local weight rows p + 64i's scales (stage1_kernel's weight_row_of).
+        constexpr int kScaleRows = kRows / (W::kProducerWarps * 32);
+        const uint8_t* scale_src[kScaleRows];
+#pragma unroll
+        for (int i = 0; i < kScaleRows; ++i) {
+            const int r = p + i * W::kProducerWarps * 32;
+            scale_src[i] = gate_up_scale
+                + ((size_t)tile.expert * expert_rows + ((r >> 3) & 1) * d_expert_pad + col0 + (r >> 4) * 8 + (r & 7))
+                  * (d_hidden_pad / kScaleBlock) + first_block;
+        }
         for (int s = 0; s < n_stages; ++s) {
             const int slot = s % kRing, block0 = s * SB, valid_blocks = k_blocks - block0;
             if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
@@ -2182,7 +2189,10 @@ __global__ void __launch_bounds__(WideStage1::kThreads, 1) stage1_wide_kernel(
                                   : act,
                             valid ? 16 : 0);
             }
-            cp_async_small<4>(base + W::kScaleOffset + p * SB, scale_src + block0, min(SB, valid_blocks));
+#pragma unroll
+            for (int i = 0; i < kScaleRows; ++i)
+                cp_async_small<4>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB, scale_src[i] + block0,
+                                  min(SB, valid_blocks));
             cp_async_commit();
             if (s > 0) {   // the previous stage's copies have landed: fence them, mark that stage full
                 cp_async_wait<1>();
@@ -2490,7 +2500,7 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
 
     const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
     int splits = requested_splits > 0 ? requested_splits
-        : wide ? splits_to_fill(sm_count(), (long long)wide_tiles_estimate * columns1,
+        : wide ? splits_to_fill(ctas_per_sm(stage1_wide_kernel, WideStage1::kThreads, WideStage1::kSharedBytes) * sm_count(), (long long)wide_tiles_estimate * columns1,
                                 (k_blocks1 + SB - 1) / SB)
         : stage1_splits<S1>(stage1, shared_bytes1(k_blocks1), columns1, tiles_estimate, k_blocks1);
     // Whole stages per slice; rounding up may leave fewer, fuller slices.
@@ -2530,7 +2540,7 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
         // two waves of CTAs.
         int row_tiles = 1;
         for (int r = 8; r > 1 && requested_row_tiles <= 0; r /= 2)
-            if ((long long)wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * sm_count()) {
+            if ((long long)wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * ctas_per_sm(stage2_wide_kernel, WideStage2::kThreads, WideStage2::kSharedBytes) * sm_count()) {
                 row_tiles = r;
                 break;
             }
