@@ -425,7 +425,7 @@ class KernelConfig(NamedTuple):
     wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
     fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 to 32 tokens)
     stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (e4m3: 32, two MMA tiles)
-    wide_tile_tokens: int = 0   # WIDE_TILE_TOKENS: both stages over wide tiles, warp-specialised (bf16 wgmma)
+    wide_tile_tokens: int = 0   # one of WIDE_TILE_TOKENS: both stages over wide tiles, warp-specialised (bf16 wgmma)
 
     def __str__(self):
         return ("%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
@@ -434,15 +434,17 @@ class KernelConfig(NamedTuple):
 
 
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
-# at 512 tokens and 32 routed experts an expert has 128 +- 11 tokens, which
-# 144 cover in one tile for most experts.
-WIDE_TILE_TOKENS = 64
+# 64 (two CTAs per SM) for experts of 29 to 96 tokens; 144 (one CTA per SM)
+# beyond, where at 512 tokens and 32 routed experts an expert has 128 +- 11
+# tokens, which 144 cover in one tile for most experts.
+WIDE_TILE_TOKENS = (64, 144)
 
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
 GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8, 3, False),
                 KernelConfig(64, 16, 64, 4, 4, False), KernelConfig(64, 32, 64, 4, 4, False),
-                KernelConfig(64, 16, 64, 4, 4, True), KernelConfig(64, 16, 64, 4, 4, True, False, 0, WIDE_TILE_TOKENS),
+                KernelConfig(64, 16, 64, 4, 4, True),
+                *(KernelConfig(64, 16, 64, 4, 4, True, False, 0, tokens) for tokens in WIDE_TILE_TOKENS),
                 KernelConfig(8, 16, 8, 8, 4, True, True, 32), KernelConfig(16, 16, 16, 8, 3, True, True),
                 KernelConfig(24, 16, 24, 8, 3, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
 # The kernels' template arguments, once each (a config with wide tiles
@@ -1874,11 +1876,11 @@ __device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{n // 8}][4], const 
 """
 
 
-STAGE2_WIDE_SOURCE = "namespace moe {\n" + _wgmma_bf16_source(WIDE_TILE_TOKENS) + r"""
-// Stage 2 over wide tiles of kWideTokens tokens (the routing's second table),
-// for bf16 warpgroup-MMA calls with many tokens per expert: each converted
-// weight then feeds kWideTokens tokens of MMA work instead of 64. One CTA per
-// SM (its 72 accumulators per thread and three stages of 45 KB), so the
+STAGE2_WIDE_SOURCE = "namespace moe {\n" + "".join(_wgmma_bf16_source(n) for n in WIDE_TILE_TOKENS) + r"""
+// Stage 2 over wide tiles of kTokens tokens (the routing's second table),
+// for bf16 warpgroup-MMA calls with more than 28 tokens per expert: each
+// converted weight then feeds kTokens tokens of MMA work. One or two CTAs per
+// SM (WideTraits), so the
 // pipeline must not stop at CTA barriers: warp 8 only loads (weights and
 // activations by TMA, weight scales by cp.async) into a ring of slots, each
 // with a full mbarrier (its bytes and 32 cp.async arrivals) and an empty one
@@ -1886,12 +1888,28 @@ STAGE2_WIDE_SOURCE = "namespace moe {\n" + _wgmma_bf16_source(WIDE_TILE_TOKENS) 
 // slot are complete); warps 0-7, two warpgroups of 64 rows, only convert, multiply
 // and add. A CTA streams row_tiles row tiles of 128 output columns, the
 // next tile's stages loading while it adds one into the accumulator.
-constexpr int kWideTokens = """ + str(WIDE_TILE_TOKENS) + r""";
+// What differs between the tile widths. 144 tokens (72 accumulators per
+// thread, 45 KB stages): one CTA per SM, four loading warps in stage 1 and a
+// 4-slot ring. 64 tokens: two CTAs per SM, to hide the latency one CTA's
+// eight compute warps leave, in 96 registers a thread and half the shared
+// memory: two loading warps and 3-slot rings.
+template <int kTokens> struct WideTraits;
+// The wide tile's MMA, m64nNk16 for N = kTokens.
+template <int kTokens>
+__device__ __forceinline__ void wgmma_wide(float (&d)[kTokens / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
+                                           uint32_t accumulate) {
+    if constexpr (kTokens == 144) wgmma_m64n144k16(d, a, b_descriptor, accumulate);
+    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);
+}
+template <> struct WideTraits<144> { static constexpr int kCtasPerSm = 1, kRing1 = 4, kProducerWarps1 = 4; };
+template <> struct WideTraits<64> { static constexpr int kCtasPerSm = 2, kRing1 = 3, kProducerWarps1 = 2; };
 // A wide tile's pipeline stage (both stages' wide kernels): 4 scale blocks
-// of K for kRows weight rows and kWideTokens tokens.
-struct WideLayout {
+// of K for kRows weight rows and kTokens tokens.
+template <int kTokens_>
+struct WideLayout : WideTraits<kTokens_> {
+    static constexpr int kTokens = kTokens_;
     static constexpr int kStageBlocks = 4, kConsumerWarps = 8;
-    static constexpr int kActBytes = kWideTokens * kStageBlocks * kScaleBlock * 2;
+    static constexpr int kActBytes = kTokens * kStageBlocks * kScaleBlock * 2;
     static constexpr int kWeightBytes = kRows * kStageBlocks * 16;
     static constexpr int kScaleBytes = kRows * kStageBlocks;
     static constexpr int kActOffset = 0, kWeightOffset = kActBytes, kScaleOffset = kWeightOffset + kWeightBytes;
@@ -1900,7 +1918,7 @@ struct WideLayout {
     // k of a token per 128-byte row, 8-token atoms, the stage's two halves of
     // K one after the other.
     static __device__ __forceinline__ int act_offset(int token, int chunk) {
-        return (chunk >> 3) * (kWideTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
+        return (chunk >> 3) * (kTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
              + (((chunk & 7) ^ (token & 7)) << 4);
     }
     // The weights as the 64-byte-swizzled TMA box lands them (GemmShape::weight_offset, 4 blocks).
@@ -1908,20 +1926,25 @@ struct WideLayout {
         return row * (kStageBlocks * 16) + ((chunk ^ ((row >> 1) & 3)) << 4);
     }
 };
-struct WideStage2 : WideLayout {
-    static constexpr int kRing = 3, kThreads = (kConsumerWarps + 1) * 32;
-    static constexpr int kEpilogueBytes = kWideTokens * kStage2YStride * (int)sizeof(float);
+template <int kTokens>
+struct WideStage2 : WideLayout<kTokens> {
+    using L = WideLayout<kTokens>;
+    static constexpr int kRing = 3, kThreads = (L::kConsumerWarps + 1) * 32;
+    static constexpr int kEpilogueBytes = kTokens * kStage2YStride * (int)sizeof(float);
     // Dynamic shared memory is 16-byte aligned; the stages need 1024.
-    static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
-    static_assert(kSharedBytes <= 113 * 1024, "two CTAs per SM");
+    static constexpr int kSharedBytes = kRing * L::kStageBytes + kEpilogueBytes + 1024 - 16;
+    static_assert(kSharedBytes <= 227 * 1024 / L::kCtasPerSm - 1024, "the CTAs per SM");
 };
-// Stage 1's wide CTA: four loading warps (the tile's tokens are gathered
-// rows of act: 16-byte copies, 18 per thread per stage) and a deeper ring.
-struct WideStage1 : WideLayout {
-    static constexpr int kRing = 3, kProducerWarps = 2, kThreads = (kConsumerWarps + kProducerWarps) * 32;
-    static constexpr int kEpilogueBytes = kWideTokens * kStage1HStride * (int)sizeof(float);
-    static constexpr int kSharedBytes = kRing * kStageBytes + kEpilogueBytes + 1024 - 16;
-    static_assert(kSharedBytes <= 113 * 1024, "two CTAs per SM");
+// Stage 1's wide CTA: loading warps (the tile's tokens are gathered rows of
+// act: 16-byte copies, 18 per thread per stage at 144 tokens and four warps).
+template <int kTokens>
+struct WideStage1 : WideLayout<kTokens> {
+    using L = WideLayout<kTokens>;
+    static constexpr int kRing = L::kRing1, kProducerWarps = L::kProducerWarps1;
+    static constexpr int kThreads = (L::kConsumerWarps + kProducerWarps) * 32;
+    static constexpr int kEpilogueBytes = kTokens * kStage1HStride * (int)sizeof(float);
+    static constexpr int kSharedBytes = kRing * L::kStageBytes + kEpilogueBytes + 1024 - 16;
+    static_assert(kSharedBytes <= 227 * 1024 / L::kCtasPerSm - 1024, "the CTAs per SM");
 };
 
 // A consumer warp's stage s of a wide kernel: wait for its slot, convert
@@ -1930,11 +1953,11 @@ struct WideStage1 : WideLayout {
 // tile's tokens, adding into acc (first_of_tile: the first MMA starts it,
 // scale-d 0, so no accumulator is zeroed between row tiles); once the
 // previous stage's MMAs are complete, release that stage's slot.
-template <int kRing, typename SmemRow>
-__device__ __forceinline__ void wide_compute_stage(float (&acc)[kWideTokens / 8][4], uint8_t* smem, uint64_t* full,
+template <int kTokens, int kRing, typename SmemRow>
+__device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full,
                                                    uint64_t* empty, int s, bool first_of_tile, int first_row,
                                                    int lane, SmemRow smem_row) {
-    using W = WideLayout;
+    using W = WideLayout<kTokens>;
     constexpr int SB = W::kStageBlocks;
     const int slot = s % kRing, g = lane >> 2;
     mbarrier_wait(&full[slot], (s / kRing) & 1);
@@ -1976,7 +1999,7 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kWideTokens / 8]
                 wgmma_fence();
 #pragma unroll
                 for (int step = 0; step < 2; ++step)
-                    wgmma_m64n""" + str(WIDE_TILE_TOKENS) + r"""k16(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
+                    wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
                                        !first_of_tile || block > 0 || step > 0);
                 wgmma_commit();
                 wgmma_wait<1>();
@@ -1997,20 +2020,21 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kWideTokens / 8]
         compute(false);
 }
 
-__global__ void __launch_bounds__(WideStage2::kThreads, 2) stage2_wide_kernel(
+template <int kTokens>
+__global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage2_wide_kernel(
         const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
         const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
         const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
-    using W = WideStage2;
+    using W = WideStage2<kTokens>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
     extern __shared__ __align__(16) uint8_t smem_base[];
     __shared__ uint64_t full[kRing], empty[kRing];
     wait_for_previous_kernel();
     let_next_kernel_launch();
     Tile tile;
-    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kWideTokens)) return;
+    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kTokens)) return;
     // The stages at 1024 bytes (dynamic shared memory is 16-byte aligned),
     // by an offset from the array itself: through an integer cast the
     // compiler no longer knows the pointer is shared, and every access
@@ -2049,7 +2073,7 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 2) stage2_wide_kernel(
                             tile.expert * d_hidden_pad + row0 + row, &full[slot]);
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    tma_load_2d(base + W::kActOffset + h * (kWideTokens * 128), &inter_map,
+                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,
                                 (first_block * kScaleBlock + h * 64) * 2, tile.row_start, &full[slot]);
             }
             // Rows lane + 32i: their four scale bytes, zero past k_blocks.
@@ -2067,9 +2091,9 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 2) stage2_wide_kernel(
 
     // Warp w: rows 16w..16w+15 (warpgroup w/4: rows 64(w/4)..+63).
     const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
-    float acc[kWideTokens / 8][4];
+    float acc[kTokens / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < kWideTokens / 8; ++nt)
+    for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
     // Row tiles, each its stages and then its epilogue (one loop over all
@@ -2077,12 +2101,12 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 2) stage2_wide_kernel(
     // last MMAs, C7517).
     for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
         for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
-            wide_compute_stage<kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
+            wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
                                       [](int r) { return r; });
         // The row tile done: add it into the accumulator.
         wgmma_wait<0>();
 #pragma unroll
-        for (int nt = 0; nt < kWideTokens / 8; ++nt)
+        for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
@@ -2111,21 +2135,22 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 2) stage2_wide_kernel(
 // and the weight scales by cp.async. A loading thread marks a stage full
 // once its copies have landed and it has fenced them for the tensor cores'
 // reads (the async proxy), so it arrives a stage late.
-__global__ void __launch_bounds__(WideStage1::kThreads, 2) stage1_wide_kernel(
+template <int kTokens>
+__global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage1_wide_kernel(
         const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
         uint8_t* __restrict__ inter, float2* __restrict__ partial, int num_pairs,
         const __grid_constant__ TensorMap weight_map) {
-    using W = WideStage1;
+    using W = WideStage1<kTokens>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
     extern __shared__ __align__(16) uint8_t smem_base[];
     __shared__ uint64_t full[kRing], empty[kRing];
     wait_for_previous_kernel();
     let_next_kernel_launch();
     Tile tile;
-    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kWideTokens)) return;
+    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kTokens)) return;
     uint8_t* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);   // as stage2_wide_kernel
     float* h = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
@@ -2146,8 +2171,8 @@ __global__ void __launch_bounds__(WideStage1::kThreads, 2) stage1_wide_kernel(
         const int p = tid - W::kConsumerWarps * 32;
         constexpr int kChunks = SB * kScaleBlock * 2 / 16;                   // a token's 16-byte chunks per stage
         constexpr int kTokensPerPass = W::kProducerWarps * 32 / kChunks;
-        constexpr int kPasses = kWideTokens / kTokensPerPass;
-        static_assert(kWideTokens % kTokensPerPass == 0, "token passes");
+        constexpr int kPasses = kTokens / kTokensPerPass;
+        static_assert(kTokens % kTokensPerPass == 0, "token passes");
         const int chunk = p % kChunks;
         // This thread's tokens p / kChunks + kTokensPerPass * j: their act
         // rows' byte offsets, or -1 past the tile's end (zero-filled).
@@ -2209,13 +2234,13 @@ __global__ void __launch_bounds__(WideStage1::kThreads, 2) stage1_wide_kernel(
     // Warp w: local rows 16w..16w+15, the gate rows of intermediate columns
     // 8w..8w+7 (g) and their up rows (g+8).
     const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
-    float acc[kWideTokens / 8][4];
+    float acc[kTokens / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < kWideTokens / 8; ++nt)
+    for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
     for (int s = 0; s < n_stages; ++s)
-        wide_compute_stage<kRing>(acc, smem, full, empty, s, s == 0, first_row, lane, [](int r) {
+        wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, s == 0, first_row, lane, [](int r) {
             return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
         });
     wgmma_wait<0>();
@@ -2223,7 +2248,7 @@ __global__ void __launch_bounds__(WideStage1::kThreads, 2) stage1_wide_kernel(
     if (gridDim.z > 1) {
         float2* out = partial + (size_t)blockIdx.z * num_pairs * d_expert_pad;
 #pragma unroll
-        for (int nt = 0; nt < kWideTokens / 8; ++nt)
+        for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int token = nt * 8 + 2 * t + j;
@@ -2235,7 +2260,7 @@ __global__ void __launch_bounds__(WideStage1::kThreads, 2) stage1_wide_kernel(
     }
     // SwiGLU, then Qa per 32-column block through shared memory (as stage1_kernel).
 #pragma unroll
-    for (int nt = 0; nt < kWideTokens / 8; ++nt)
+    for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
             h[(nt * 8 + 2 * t + j) * kStage1HStride + local_col] =
@@ -2248,6 +2273,18 @@ __global__ void __launch_bounds__(WideStage1::kThreads, 2) stage1_wide_kernel(
                                    inter + (row * d_expert_pad + col) * 2, nullptr);
     }
 }
+
+// Explicit instantiations of both widths, as for the GEMM configs.
+#define MOE_INSTANTIATE_WIDE(N)                                                                                \
+    template __global__ void stage1_wide_kernel<N>(const uint8_t*, const uint8_t*, const int*, const int*,     \
+        const int2*, const int*, int, int, int, int, int, uint8_t*, float2*, int,                              \
+        const __grid_constant__ TensorMap);                                                                \
+    template __global__ void stage2_wide_kernel<N>(const uint8_t*, const int*, const float*, const int*,       \
+        const int2*, const int*, int, int, int, int, int, float*, const __grid_constant__ TensorMap,           \
+        const __grid_constant__ TensorMap);
+MOE_INSTANTIATE_WIDE(64)
+MOE_INSTANTIATE_WIDE(144)
+#undef MOE_INSTANTIATE_WIDE
 
 }  // namespace moe
 """
@@ -2463,15 +2500,13 @@ int stage2_row_tiles(Kernel kernel, SharedBytes shared_bytes_of, int tiles, int 
 }
 
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, int MT2>
-void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wide_tiles_estimate, int num_pairs,
-                  int n_experts, int requested_splits,
-                  int requested_row_tiles,
+void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int num_pairs, int n_experts,
+                  int requested_splits, int requested_row_tiles,
                   const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
                   const torch::Tensor& down_weight, const torch::Tensor& down_scale, const Activations& act,
                   const int* sorted_tokens, const float* sorted_weights, const int* expert_offsets,
-                  const int2* tiles, const int* num_tiles, int max_wide_tiles, const int2* wide_tiles,
-                  const int* num_wide_tiles, int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad,
-                  const Activations& inter, torch::Tensor& accumulator) {
+                  const int2* tiles, const int* num_tiles, int d_hidden, int d_hidden_pad, int d_expert,
+                  int d_expert_pad, const Activations& inter, torch::Tensor& accumulator) {
     using S1 = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     using S2 = GemmShape<NT, MT2, WT, SB, STAGES, WG, FP8>;
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
@@ -2489,19 +2524,8 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
     const int all_stages = SB * STAGES;   // the most of any launch: K fills every slot
     allow_shared_memory(stage1, shared_bytes1(all_stages));
     allow_shared_memory(stage2, shared_bytes2(all_stages, S2::kRowTiles ? 2 : 1));
-    // Wide tiles (max_wide_tiles > 0): both stages' wide kernels, one CTA per SM.
-    const bool wide = max_wide_tiles > 0;
-    TORCH_CHECK(!wide || (WG && !FP8 && SB == WideLayout::kStageBlocks),
-                "moe_mxfp4: wide tiles follow bf16 warpgroup-MMA configs of 4-block stages");
-    if (wide) {
-        allow_shared_memory(stage1_wide_kernel, WideStage1::kSharedBytes);
-        allow_shared_memory(stage2_wide_kernel, WideStage2::kSharedBytes);
-    }
-
     const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
     int splits = requested_splits > 0 ? requested_splits
-        : wide ? splits_to_fill(ctas_per_sm(stage1_wide_kernel, WideStage1::kThreads, WideStage1::kSharedBytes) * sm_count(), (long long)wide_tiles_estimate * columns1,
-                                (k_blocks1 + SB - 1) / SB)
         : stage1_splits<S1>(stage1, shared_bytes1(k_blocks1), columns1, tiles_estimate, k_blocks1);
     // Whole stages per slice; rounding up may leave fewer, fuller slices.
     const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
@@ -2516,18 +2540,11 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
         ? tensor_map(gate_up_weight.data_ptr<uint8_t>(), gate_up_weight.size(0) * gate_up_weight.size(1),
                      k_blocks1 * 16, d_hidden_pad / 2, SB * 16, kRows / 2)
         : TensorMap{};
-    if (wide)
-        launch_after_previous(stage1_wide_kernel, dim3(max_wide_tiles, columns1, splits), WideStage1::kThreads,
-            WideStage1::kSharedBytes, stream,
-            gate_up_scale.data_ptr<uint8_t>(), act.bytes(), sorted_tokens, expert_offsets, wide_tiles, num_wide_tiles,
-            d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), partial_ptr, num_pairs,
-            weight_map1);
-    else
-        launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S1::kThreads, smem1, stream,
-            gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
-            act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
-            d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
-            partial_ptr, num_pairs, weight_map1);
+    launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S1::kThreads, smem1, stream,
+        gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
+        act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
+        d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
+        partial_ptr, num_pairs, weight_map1);
     if (splits > 1)
         launch_after_previous(swiglu_quantize_kernel<FP8>, dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
             kSwigluWarps * 32, 0, stream,
@@ -2535,29 +2552,6 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
             inter.scales());
 
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
-    if (wide) {
-        // One CTA per SM: the most row tiles per CTA (up to 8) that leave
-        // two waves of CTAs.
-        int row_tiles = 1;
-        for (int r = 8; r > 1 && requested_row_tiles <= 0; r /= 2)
-            if ((long long)wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * ctas_per_sm(stage2_wide_kernel, WideStage2::kThreads, WideStage2::kSharedBytes) * sm_count()) {
-                row_tiles = r;
-                break;
-            }
-        if (requested_row_tiles > 0) row_tiles = requested_row_tiles;
-        row_tiles = std::min(row_tiles, grid_rows);
-        const TensorMap weight_map = tensor_map(down_weight.data_ptr<uint8_t>(),
-                                                down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
-                                                d_expert_pad / 2, SB * 16, kRows);
-        const TensorMap inter_map = tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock * 2,
-                                               d_expert_pad * 2, 128, kWideTokens);
-        launch_after_previous(stage2_wide_kernel, dim3(max_wide_tiles, (grid_rows + row_tiles - 1) / row_tiles),
-            WideStage2::kThreads, WideStage2::kSharedBytes, stream,
-            down_scale.data_ptr<uint8_t>(), sorted_tokens, sorted_weights, expert_offsets, wide_tiles,
-            num_wide_tiles, d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
-            accumulator.data_ptr<float>(), weight_map, inter_map);
-        return;
-    }
     const int row_tiles = !S2::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
         : stage2_row_tiles<S2>(stage2, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
                                tiles_estimate, grid_rows));
@@ -2576,6 +2570,76 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
         down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
         inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
         d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
+        accumulator.data_ptr<float>(), weight_map, inter_map);
+}
+
+// Both stages over wide tiles of kTokens (bf16 warpgroup MMAs), with stage
+// 1's K slices and stage 2's row tiles per CTA sized for the CTAs per SM the
+// kernels get and the tile count the routing is expected to give.
+template <int kTokens>
+void launch_wide_gemms(cudaStream_t stream, int max_wide_tiles, int wide_tiles_estimate, int num_pairs,
+                       int n_experts, int requested_splits, int requested_row_tiles,
+                       const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
+                       const torch::Tensor& down_weight, const torch::Tensor& down_scale, const Activations& act,
+                       const int* sorted_tokens, const float* sorted_weights, const int* expert_offsets,
+                       const int2* wide_tiles, const int* num_wide_tiles, int d_hidden, int d_hidden_pad,
+                       int d_expert, int d_expert_pad, const Activations& inter, torch::Tensor& accumulator) {
+    using W1 = WideStage1<kTokens>;
+    using W2 = WideStage2<kTokens>;
+    constexpr int SB = W1::kStageBlocks;
+    TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
+                "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
+    const auto stage1 = stage1_wide_kernel<kTokens>;
+    const auto stage2 = stage2_wide_kernel<kTokens>;
+    allow_shared_memory(stage1, W1::kSharedBytes);
+    allow_shared_memory(stage2, W2::kSharedBytes);
+    const int k_blocks1 = (d_hidden + kScaleBlock - 1) / kScaleBlock;
+    const int k_blocks2 = (d_expert + kScaleBlock - 1) / kScaleBlock;
+
+    const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
+    int splits = requested_splits > 0 ? requested_splits
+        : splits_to_fill((long long)ctas_per_sm(stage1, W1::kThreads, W1::kSharedBytes) * sm_count(),
+                         (long long)wide_tiles_estimate * columns1, (k_blocks1 + SB - 1) / SB);
+    // Whole stages per slice; rounding up may leave fewer, fuller slices.
+    const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
+    splits = (k_blocks1 + split_blocks - 1) / split_blocks;
+    torch::Tensor partial;
+    if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
+    float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
+    // Every expert's gate and up rows, in boxes of half a CTA's rows.
+    const TensorMap weight_map1 = tensor_map(gate_up_weight.data_ptr<uint8_t>(),
+                                             gate_up_weight.size(0) * gate_up_weight.size(1), k_blocks1 * 16,
+                                             d_hidden_pad / 2, SB * 16, kRows / 2);
+    launch_after_previous(stage1, dim3(max_wide_tiles, columns1, splits), W1::kThreads, W1::kSharedBytes, stream,
+        gate_up_scale.data_ptr<uint8_t>(), act.bytes(), sorted_tokens, expert_offsets, wide_tiles, num_wide_tiles,
+        d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), partial_ptr, num_pairs,
+        weight_map1);
+    if (splits > 1)
+        launch_after_previous(swiglu_quantize_kernel<false>, dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
+            kSwigluWarps * 32, 0, stream,
+            partial_ptr, splits, num_pairs, expert_offsets, n_experts, d_expert, d_expert_pad, inter.bytes(),
+            inter.scales());
+
+    // The most row tiles per CTA (up to 8) that leave two waves of CTAs.
+    const int grid_rows = (d_hidden + kRows - 1) / kRows;
+    const long long slots2 = (long long)ctas_per_sm(stage2, W2::kThreads, W2::kSharedBytes) * sm_count();
+    int row_tiles = 1;
+    for (int r = 8; r > 1 && requested_row_tiles <= 0; r /= 2)
+        if ((long long)wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2 * slots2) {
+            row_tiles = r;
+            break;
+        }
+    if (requested_row_tiles > 0) row_tiles = requested_row_tiles;
+    row_tiles = std::min(row_tiles, grid_rows);
+    const TensorMap weight_map = tensor_map(down_weight.data_ptr<uint8_t>(),
+                                            down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
+                                            d_expert_pad / 2, SB * 16, kRows);
+    const TensorMap inter_map = tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock * 2,
+                                           d_expert_pad * 2, 128, kTokens);
+    launch_after_previous(stage2, dim3(max_wide_tiles, (grid_rows + row_tiles - 1) / row_tiles),
+        W2::kThreads, W2::kSharedBytes, stream,
+        down_scale.data_ptr<uint8_t>(), sorted_tokens, sorted_weights, expert_offsets, wide_tiles,
+        num_wide_tiles, d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
         accumulator.data_ptr<float>(), weight_map, inter_map);
 }
 
@@ -2607,10 +2671,11 @@ torch::Tensor moe_forward(
     TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens, ", warp_rows=", warp_rows,
                 ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages,
                 ", wgmma=", wgmma, ", fp8=", fp8, ", stage2_warp_rows=", stage2_warp_rows);
-    TORCH_CHECK(wide_tile_tokens == 0 || (wide_tile_tokens == kWideTokens && wgmma && !fp8),
-                "moe_mxfp4: wide tiles of ", wide_tile_tokens, " tokens: only ", kWideTokens,
-                ", with a bf16 warpgroup-MMA config");
-    const bool use_wide_tiles = wide_tile_tokens == kWideTokens;
+    TORCH_CHECK(wide_tile_tokens == 0 || ((wide_tile_tokens == 64 || wide_tile_tokens == 144) && wgmma && !fp8
+                                          && stage_blocks == 4),
+                "moe_mxfp4: wide tiles of ", wide_tile_tokens, " tokens: only 64 or 144, with a bf16 "
+                "warpgroup-MMA config of 4-block stages");
+    const bool use_wide_tiles = wide_tile_tokens > 0;
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -2623,7 +2688,7 @@ torch::Tensor moe_forward(
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // Tiles: at most one partial tile per expert that has any pair.
     const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
-    const int max_wide_tiles = use_wide_tiles ? num_pairs / kWideTokens + std::min(n_experts, num_pairs) + 1 : 0;
+    const int max_wide_tiles = use_wide_tiles ? num_pairs / wide_tile_tokens + std::min(n_experts, num_pairs) + 1 : 0;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
     auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 1},
                                 int_opts);
@@ -2642,7 +2707,7 @@ torch::Tensor moe_forward(
     // What the host expects of the routing, to size grids and K slices.
     const int tiles_estimate = estimated_tiles(num_pairs, n_experts, (int)tile_tokens);
     const int wide_tiles_estimate = use_wide_tiles
-        ? (int)std::lround(expected_tiles(m, top_k, n_experts, (int)n_shared_experts, kWideTokens)) : 0;
+        ? (int)std::lround(expected_tiles(m, top_k, n_experts, (int)n_shared_experts, (int)wide_tile_tokens)) : 0;
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
@@ -2652,18 +2717,26 @@ torch::Tensor moe_forward(
                          route_smem, stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
-        use_wide_tiles ? kWideTokens : 0, wide_tiles, num_wide_tiles,
+        (int)wide_tile_tokens, wide_tiles, num_wide_tiles,
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
 #define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                                           \
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2))                                                              \
-        launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8, MT2>(stream, max_tiles, tiles_estimate,                  \
-            wide_tiles_estimate, num_pairs, n_experts, (int)stage1_splits, (int)stage2_row_tiles,            \
+        launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8, MT2>(stream, max_tiles, tiles_estimate, num_pairs,       \
+            n_experts, (int)stage1_splits, (int)stage2_row_tiles,                                             \
             gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_tokens, sorted_weights,      \
-            expert_offsets, tiles, num_tiles, max_wide_tiles, wide_tiles, num_wide_tiles, (int)d_hidden,      \
-            d_hidden_pad, (int)d_expert, d_expert_pad, inter, accumulator);
-    MOE_GEMM_CONFIGS(MOE_LAUNCH)
+            expert_offsets, tiles, num_tiles, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,       \
+            inter, accumulator);
+    const auto launch_wide = wide_tile_tokens == 144 ? launch_wide_gemms<144> : launch_wide_gemms<64>;
+    if (use_wide_tiles)
+        launch_wide(stream, max_wide_tiles, wide_tiles_estimate, num_pairs, n_experts, (int)stage1_splits,
+                    (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_tokens,
+                    sorted_weights, expert_offsets, wide_tiles, num_wide_tiles, (int)d_hidden, d_hidden_pad,
+                    (int)d_expert, d_expert_pad, inter, accumulator);
+    else {
+        MOE_GEMM_CONFIGS(MOE_LAUNCH)
+    }
 #undef MOE_LAUNCH
 #undef MOE_IS
 
@@ -2794,10 +2867,11 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     64-row MMA tiles (fewer instructions per weight: its stage 2 is
     issue-bound, while its stage 1 was slower so). Beyond them 64-token tiles
     win: each warp converts its weights once for all 64 tokens, and on sm_90
-    warpgroup MMAs read the tokens from shared memory without ldmatrix. With
-    more than 96 tokens per expert on sm_90, both stages run over wide tiles
-    of WIDE_TILE_TOKENS (warp-specialised kernels), converting each weight
-    once for that many tokens."""
+    warpgroup MMAs read the tokens from shared memory without ldmatrix. On
+    sm_90 those run in the warp-specialised wide kernels (loading warps, two
+    compute warpgroups, no CTA barrier per stage), and with more than 96
+    tokens per expert over 144-token tiles, converting each weight once for
+    that many tokens."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
         return KernelConfig(8, 16, 8, 8, 4, True, True, 32) if wgmma else KernelConfig(8, 16, 8, 8, 4, False)
@@ -2808,7 +2882,7 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     if tokens_per_expert <= 20:
         return KernelConfig(16, 16, 16, 8, 3, wgmma, wgmma)
     if wgmma:
-        return KernelConfig(64, 16, 64, 4, 4, True, False, 0, WIDE_TILE_TOKENS)
+        return KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144 if tokens_per_expert > 96 else 64)
     return KernelConfig(64, 16, 64, 4, 4, False) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4, False)
 
 

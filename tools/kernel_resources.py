@@ -36,16 +36,23 @@ void show() {
         printf(" %8.1f", S2::shared_bytes(k_blocks, kStage2EpilogueBytes<S2>, 1, kStage2Ring<S2>) / 1024.0);
     printf("\n");
 }
+// A wide tile width's two kernels; each CTA's share of the SM is 227 KB over
+// its CTAs per SM.
+template <int kTokens>
+void show_wide() {
+    using W1 = WideStage1<kTokens>;
+    using W2 = WideStage2<kTokens>;
+    printf("wide stage 1, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", kTokens,
+           W1::kCtasPerSm, W1::kSharedBytes / 1024.0, W1::kRing, W1::kStageBytes / 1024.0, W1::kEpilogueBytes / 1024.0);
+    printf("wide stage 2, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", kTokens,
+           W2::kCtasPerSm, W2::kSharedBytes / 1024.0, W2::kRing, W2::kStageBytes / 1024.0, W2::kEpilogueBytes / 1024.0);
+}
 int main() {
     printf("%-34s %8s %12s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048");
 #define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
     MOE_GEMM_CONFIGS(MOE_SHOW)
-    printf("wide stage 1, %d tokens: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", kWideTokens,
-           WideStage1::kSharedBytes / 1024.0, WideStage1::kRing, WideStage1::kStageBytes / 1024.0,
-           WideStage1::kEpilogueBytes / 1024.0);
-    printf("wide stage 2, %d tokens: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", kWideTokens,
-           WideStage2::kSharedBytes / 1024.0, WideStage2::kRing, WideStage2::kStageBytes / 1024.0,
-           WideStage2::kEpilogueBytes / 1024.0);
+    show_wide<64>();
+    show_wide<144>();
 }
 """
 
