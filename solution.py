@@ -2182,7 +2182,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             const int token = p / kChunks + kTokensPerPass * j;
             src_row[j] = token < tile.rows ? (long long)sorted_tokens[tile.row_start + token] * d_hidden_pad * 2 : -1;
         }
-        // Local weight rows p + 64i's scales (stage1_kernel's weight_row_of).
+        // Local weight rows p, p + 32 * kProducerWarps, ...: their scales (stage1_kernel's weight_row_of).
         constexpr int kScaleRows = kRows / (W::kProducerWarps * 32);
         const uint8_t* scale_src[kScaleRows];
 #pragma unroll
