@@ -336,6 +336,27 @@ inline double expected_tiles(int m, int top_k, int n_experts, int n_shared, int 
     return n_shared * (double)((m + tile_tokens - 1) / tile_tokens) + routed * per_expert;
 }
 
+// Exclusive scan of one int2 per thread over the whole CTA (every thread
+// calls it): returns the sum of the lower threads' values, and total the
+// CTA's. warp_totals: 32 int2 of shared memory, read until the caller's
+// next barrier, so two scans need one between them.
+__device__ __forceinline__ int2 block_exclusive_scan(int2 value, int2* warp_totals, int2& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int2 inclusive = warp_inclusive_scan(value, lane);
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        const int nwarps = blockDim.x >> 5;
+        int2 t = lane < nwarps ? warp_totals[lane] : make_int2(0, 0);
+        warp_totals[lane] = warp_inclusive_scan(t, lane);
+    }
+    __syncthreads();
+    int2 prefix = make_int2(inclusive.x - value.x, inclusive.y - value.y);
+    if (warp > 0) { prefix.x += warp_totals[warp - 1].x; prefix.y += warp_totals[warp - 1].y; }
+    total = warp_totals[(blockDim.x >> 5) - 1];
+    return prefix;
+}
+
 // Run by one CTA (the first of route_and_quantize_kernel, 1024 threads).
 // Counts the (token, slot) pairs of each expert, writes expert_offsets[E+1],
 // the pairs sorted by expert (as each pair's token and routing weight, so
@@ -358,7 +379,7 @@ __device__ void route_pairs(
     int* tile_base = shared + 2 * n_experts;  // [E]
     __shared__ int2 warp_totals[32];
     __shared__ int bad;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
 
     for (int e = tid; e < n_experts; e += blockDim.x) counts[e] = 0;
     if (tid == 0) bad = 0;
@@ -379,17 +400,8 @@ __device__ void route_pairs(
         run.x += counts[e];
         run.y += (counts[e] + tile_tokens - 1) / tile_tokens;
     }
-    int2 inclusive = warp_inclusive_scan(run, lane);
-    if (lane == 31) warp_totals[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        const int nwarps = blockDim.x >> 5;
-        int2 t = lane < nwarps ? warp_totals[lane] : make_int2(0, 0);
-        warp_totals[lane] = warp_inclusive_scan(t, lane);
-    }
-    __syncthreads();
-    int2 prefix = make_int2(inclusive.x - run.x, inclusive.y - run.y);
-    if (warp > 0) { prefix.x += warp_totals[warp - 1].x; prefix.y += warp_totals[warp - 1].y; }
+    int2 total;
+    int2 prefix = block_exclusive_scan(run, warp_totals, total);
     for (int e = first; e < last; ++e) {
         expert_offsets[e] = prefix.x;
         cursor[e] = prefix.x;
@@ -398,7 +410,6 @@ __device__ void route_pairs(
         prefix.y += (counts[e] + tile_tokens - 1) / tile_tokens;
     }
     if (tid == blockDim.x - 1) {
-        const int2 total = warp_totals[(blockDim.x >> 5) - 1];
         expert_offsets[n_experts] = total.x;
         *num_tiles = total.y;
         *bad_ids = bad;
@@ -409,25 +420,17 @@ __device__ void route_pairs(
         const int n = (counts[e] + tile_tokens - 1) / tile_tokens;
         for (int j = 0; j < n; ++j) tiles[tile_base[e] + j] = make_int2(e, cursor[e] + j * tile_tokens);
     }
-    if (wide_tile_tokens > 0) {   // the same scan, of wide tiles (warp_totals last read before the barrier above)
+    if (wide_tile_tokens > 0) {   // the same scan, of wide tiles (the barrier above ended the first)
         int2 wide_run = make_int2(0, 0);
         for (int e = first; e < last; ++e) wide_run.x += (counts[e] + wide_tile_tokens - 1) / wide_tile_tokens;
-        const int2 wide_inclusive = warp_inclusive_scan(wide_run, lane);
-        if (lane == 31) warp_totals[warp] = wide_inclusive;
-        __syncthreads();
-        if (warp == 0) {
-            const int nwarps = blockDim.x >> 5;
-            int2 t = lane < nwarps ? warp_totals[lane] : make_int2(0, 0);
-            warp_totals[lane] = warp_inclusive_scan(t, lane);
-        }
-        __syncthreads();
-        int base = wide_inclusive.x - wide_run.x + (warp > 0 ? warp_totals[warp - 1].x : 0);
+        int2 wide_total;
+        int base = block_exclusive_scan(wide_run, warp_totals, wide_total).x;
         for (int e = first; e < last; ++e) {
             const int n = (counts[e] + wide_tile_tokens - 1) / wide_tile_tokens;
             for (int j = 0; j < n; ++j) wide_tiles[base + j] = make_int2(e, cursor[e] + j * wide_tile_tokens);
             base += n;
         }
-        if (tid == blockDim.x - 1) *num_wide_tiles = warp_totals[(blockDim.x >> 5) - 1].x;
+        if (tid == blockDim.x - 1) *num_wide_tiles = wide_total.x;
     }
     __syncthreads();
     for (int p = tid; p < num_pairs; p += blockDim.x) {
