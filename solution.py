@@ -1760,6 +1760,26 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
     atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
 #endif
 }
+// A finished row tile in shared memory (y: the tile's tokens x kRows output
+// columns from col0, kStage2YStride apart), each token's row times its
+// routing weight, added into the accumulator row of its token: a float4 of
+// four columns per item, items first, first + stride, ...
+__device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& tile, int col0, int d_hidden,
+                                                  const int* __restrict__ sorted_tokens,
+                                                  const float* __restrict__ sorted_weights,
+                                                  float* __restrict__ accumulator, int d_hidden_pad, int first,
+                                                  int stride) {
+    for (int item = first; item < tile.rows * (kRows / 4); item += stride) {
+        const int token = item / (kRows / 4), quad = item % (kRows / 4);
+        const int col = col0 + quad * 4;
+        if (col >= d_hidden) continue;
+        const int row = tile.row_start + token;
+        const float weight = sorted_weights[row];
+        const float* src = y + token * kStage2YStride + quad * 4;
+        atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
+                          make_float4(weight * src[0], weight * src[1], weight * src[2], weight * src[3]));
+    }
+}
 
 // CTA (tile, blockIdx.y): output columns [128*row_tiles*y, +128*row_tiles)
 // of the tile's rows (fewer at d_hidden's end), 128 per row tile, scaled by
@@ -1806,16 +1826,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                     y[(first_token + nt * 8 + 2 * t + (i & 1)) * kStage2YStride
                       + first_row + mt * S::kMTileStride + g + (i >> 1) * 8] = acc[mt][nt][i];
         __syncthreads();
-        for (int item = tid; item < tile.rows * (kRows / 4); item += S::kThreads) {
-            const int token = item / (kRows / 4), quad = item % (kRows / 4);
-            const int col = row0 + row_tile * kRows + quad * 4;
-            if (col >= d_hidden) continue;
-            const int row = tile.row_start + token;
-            const float w = sorted_weights[row];
-            const float* src = y + token * kStage2YStride + quad * 4;
-            atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
-                              make_float4(w * src[0], w * src[1], w * src[2], w * src[3]));
-        }
+        add_weighted_rows(y, tile, row0 + row_tile * kRows, d_hidden, sorted_tokens, sorted_weights, accumulator,
+                          d_hidden_pad, tid, S::kThreads);
     };
 
     float acc[MT][WT][4];
@@ -2121,16 +2133,8 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
             for (int i = 0; i < 4; ++i)
                 y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
         named_barrier_sync(1, W::kConsumerWarps * 32);
-        for (int item = tid; item < tile.rows * (kRows / 4); item += W::kConsumerWarps * 32) {
-            const int token = item / (kRows / 4), quad = item % (kRows / 4);
-            const int col = row0 + row_tile * kRows + quad * 4;
-            if (col >= d_hidden) continue;
-            const int row = tile.row_start + token;
-            const float weight = sorted_weights[row];
-            const float* src = y + token * kStage2YStride + quad * 4;
-            atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
-                              make_float4(weight * src[0], weight * src[1], weight * src[2], weight * src[3]));
-        }
+        add_weighted_rows(y, tile, row0 + row_tile * kRows, d_hidden, sorted_tokens, sorted_weights, accumulator,
+                          d_hidden_pad, tid, W::kConsumerWarps * 32);
         named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
     }
 }
