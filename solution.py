@@ -777,6 +777,25 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, int parity) {
 #endif
 }
 
+// The warpgroup-MMA stage layouts (GemmShape's and the wide kernels').
+// Activations in the 128-byte-swizzled K-major layout: atoms of 8 tokens x
+// 128 bytes (64 bf16 or 128 e4m3 values), chunk c of token i at chunk c ^
+// (i % 8) of its row, so the tensor cores' reads (and the copies) spread
+// over all banks; a stage's next 128 bytes of K kTokens rows later.
+template <int kTokens>
+__device__ __forceinline__ int swizzled_act_offset(int token, int chunk) {
+    return (chunk >> 3) * (kTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
+         + (((chunk & 7) ^ (token & 7)) << 4);
+}
+// Weight rows of SB 16-byte chunks, dense, chunk c of row r at chunk c ^
+// swizzle(r): TMA's 128-byte (SB 8) or 64-byte (SB 4) swizzle, so that the
+// eight 16-byte rows an ldmatrix phase reads fall in eight bank groups.
+template <int SB>
+__device__ __forceinline__ int swizzled_weight_offset(int row, int chunk) {
+    static_assert(SB == 4 || SB == 8, "stages of 4 or 8 blocks");
+    return row * (SB * 16) + ((chunk ^ (SB == 8 ? row & 7 : (row >> 1) & 3)) << 4);
+}
+
 // A GEMM CTA: kRows weight rows x NT*8 tokens, its K streamed through a
 // cp.async pipeline of STAGES stages of SB scale blocks each. Each warp
 // computes MT m16 tiles of weight rows times WT n8 tiles of tokens: warps
@@ -816,16 +835,12 @@ struct GemmShape {
     static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * WT * 8; }
     // A stage's weight rows, SB 16-byte chunks each, so that the eight
     // 16-byte rows an ldmatrix phase reads fall in eight different bank
-    // groups: for warpgroup-MMA configs dense, chunk c of row r at chunk c ^
-    // weight_swizzle(r), TMA's 128-byte (SB 8) or 64-byte (SB 4) swizzle,
-    // which stage 2 loads them with; otherwise rows padded by 16 bytes.
+    // groups: for warpgroup-MMA configs swizzled (swizzled_weight_offset, as
+    // the TMA boxes land them); otherwise rows padded by 16 bytes.
     static_assert(!WG || SB == 4 || SB == 8, "warpgroup-MMA stages of 4 or 8 blocks");
     static constexpr int kWeightStride = WG ? SB * 16 : SB * 16 + 16;
-    static __device__ __forceinline__ int weight_swizzle(int row) {
-        return !WG ? 0 : SB == 8 ? row & 7 : (row >> 1) & 3;
-    }
     static __device__ __forceinline__ int weight_offset(int row, int chunk) {
-        return row * kWeightStride + ((chunk ^ weight_swizzle(row)) << 4);
+        return WG ? swizzled_weight_offset<SB>(row, chunk) : row * kWeightStride + (chunk << 4);
     }
     static constexpr int kActValueBytes = FP8 ? 1 : 2;
     static constexpr int kActStride = SB * kScaleBlock * 2 + 16;
@@ -883,14 +898,9 @@ struct GemmShape {
     static __device__ __forceinline__ int act_copy_chunk(int tid, int j) {
         return kFourPerToken ? (tid & 3) + 4 * j : tid % kActRowChunks;
     }
-    // Warpgroup MMAs read the tokens in the 128-byte-swizzled K-major layout:
-    // atoms of 8 tokens x 128 bytes (64 bf16 or 128 e4m3 values), chunk c of token i
-    // at chunk c ^ (i % 8) of its row, so the tensor cores' reads (and the
-    // copies) spread over all banks.
+    // Warpgroup MMAs read the tokens swizzled (swizzled_act_offset).
     static __device__ __forceinline__ int act_offset(int token, int chunk) {
-        return WG ? (chunk >> 3) * (kTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
-                        + (((chunk & 7) ^ (token & 7)) << 4)
-                  : token * kActStride + chunk * 16;
+        return WG ? swizzled_act_offset<kTokens>(token, chunk) : token * kActStride + chunk * 16;
     }
     // Stage 2's K (d_expert) is short: with one row tile per CTA its CTAs
     // run a stage or two each and hide memory latency only behind each
@@ -1942,16 +1952,11 @@ struct WideLayout {
     static constexpr int kScaleBytes = kRows * kStageBlocks;
     static constexpr int kActOffset = 0, kWeightOffset = kActBytes, kScaleOffset = kWeightOffset + kWeightBytes;
     static constexpr int kStageBytes = (kActBytes + kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
-    // The activations in the 128-byte swizzle (as GemmShape::act_offset): 64
-    // k of a token per 128-byte row, 8-token atoms, the stage's two halves of
-    // K one after the other.
     static __device__ __forceinline__ int act_offset(int token, int chunk) {
-        return (chunk >> 3) * (kWideTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
-             + (((chunk & 7) ^ (token & 7)) << 4);
+        return swizzled_act_offset<kWideTokens>(token, chunk);
     }
-    // The weights as the 64-byte-swizzled TMA box lands them (GemmShape::weight_offset, 4 blocks).
     static __device__ __forceinline__ int weight_offset(int row, int chunk) {
-        return row * (kStageBlocks * 16) + ((chunk ^ ((row >> 1) & 3)) << 4);
+        return swizzled_weight_offset<kStageBlocks>(row, chunk);
     }
 };
 struct WideStage2 : WideLayout {
