@@ -2459,12 +2459,12 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int tiles, int k_blo
 // as one row tile does and leave at least two waves of CTAs. (The caller
 // keeps one for bf16 warpgroup-MMA configs: see GemmShape::kRowTiles.)
 // shared_bytes_of(row_tiles): a CTA's shared memory.
-template <typename S, typename Kernel, typename SharedBytes>
-int stage2_row_tiles(Kernel kernel, SharedBytes shared_bytes_of, int tiles, int grid_rows) {
-    const int per_sm = ctas_per_sm(kernel, S::kThreads, shared_bytes_of(1));
+template <typename Kernel, typename SharedBytes>
+int stage2_row_tiles(Kernel kernel, int threads, SharedBytes shared_bytes_of, int tiles, int grid_rows) {
+    const int per_sm = ctas_per_sm(kernel, threads, shared_bytes_of(1));
     const long long slots = (long long)per_sm * sm_count();
     for (int row_tiles = 8; row_tiles > 1; row_tiles /= 2)
-        if (ctas_per_sm(kernel, S::kThreads, shared_bytes_of(row_tiles)) == per_sm
+        if (ctas_per_sm(kernel, threads, shared_bytes_of(row_tiles)) == per_sm
             && (long long)tiles * ((grid_rows + row_tiles - 1) / row_tiles) >= 2 * slots)
             return row_tiles;
     return 1;
@@ -2544,16 +2544,10 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
 
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
     if (wide) {
-        // One CTA per SM: the most row tiles per CTA (up to 8) that leave
-        // two waves of CTAs.
-        int row_tiles = 1;
-        for (int r = 8; r > 1 && requested_row_tiles <= 0; r /= 2)
-            if ((long long)wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * sm_count()) {
-                row_tiles = r;
-                break;
-            }
-        if (requested_row_tiles > 0) row_tiles = requested_row_tiles;
-        row_tiles = std::min(row_tiles, grid_rows);
+        // The CTA's shared memory does not grow with its row tiles.
+        const int row_tiles = std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
+            : stage2_row_tiles(stage2_wide_kernel, WideStage2::kThreads, [](int) { return WideStage2::kSharedBytes; },
+                               wide_tiles_estimate, grid_rows));
         const TensorMap weight_map = tensor_map(down_weight.data_ptr<uint8_t>(),
                                                 down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
                                                 d_expert_pad / 2, SB * 16, kRows);
@@ -2567,8 +2561,8 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
         return;
     }
     const int row_tiles = !S2::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
-        : stage2_row_tiles<S2>(stage2, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
-                               tiles_estimate, grid_rows));
+        : stage2_row_tiles(stage2, S2::kThreads, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
+                           tiles_estimate, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(k_blocks2, row_tiles);
     // Stage 2's TMA maps (kStage2WeightBoxes, kStage2ActTma): the weights as
