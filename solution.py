@@ -459,7 +459,7 @@ class KernelConfig(NamedTuple):
     wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
     fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 to 32 tokens)
     stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (e4m3: 32, two MMA tiles)
-    wide_tile_tokens: int = 0   # one of WIDE_TILE_TOKENS: both stages over wide tiles, warp-specialised (bf16 wgmma)
+    wide_tile_tokens: int = 0   # one of WIDE_TILE_TOKENS: the warp-specialised wide kernels (bf16 wgmma)
 
     def __str__(self):
         return ("%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
@@ -468,7 +468,8 @@ class KernelConfig(NamedTuple):
 
 
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
-# 64 (two CTAs per SM) for experts of 29 to 96 tokens; 144 (one CTA per SM)
+# 64 (two CTAs per SM) for experts of 29 to 96 tokens, stage 2 only (stage 1
+# runs the config's own 64-token kernel); 144 (one CTA per SM), both stages,
 # beyond, where at 512 tokens and 32 routed experts an expert has 128 +- 11
 # tokens, which 144 cover in one tile for most experts.
 WIDE_TILE_TOKENS = (64, 144)
@@ -1948,9 +1949,11 @@ STAGE2_WIDE_SOURCE = "namespace moe {\n" + "".join(_wgmma_bf16_source(n) for n i
 // next tile's stages loading while it adds one into the accumulator.
 // What differs between the tile widths. 144 tokens (72 accumulators per
 // thread, 45 KB stages): one CTA per SM, four loading warps in stage 1 and a
-// 4-slot ring. 64 tokens: two CTAs per SM, to hide the latency one CTA's
-// eight compute warps leave, in 96 registers a thread and half the shared
-// memory: two loading warps and 3-slot rings.
+// 4-slot ring. 64 tokens, stage 2 only: two CTAs per SM, to hide the latency
+// one CTA's eight compute warps leave, in 96 registers a thread and half the
+// shared memory. (A 64-token wide stage 1, two loading warps and a 3-slot
+// ring, took 1.18x the time of the plain 64-token stage 1 at bs=128 E=33 on
+// the H200, 2026-12-01, and was dropped.)
 template <int kTokens> struct WideTraits;
 // The wide tile's MMA, m64nNk16 for N = kTokens.
 template <int kTokens>
@@ -1960,7 +1963,7 @@ __device__ __forceinline__ void wgmma_wide(float (&d)[kTokens / 8][4], const uin
     else wgmma_m64n64k16(d, a, b_descriptor, accumulate);
 }
 template <> struct WideTraits<144> { static constexpr int kCtasPerSm = 1, kRing1 = 4, kProducerWarps1 = 4; };
-template <> struct WideTraits<64> { static constexpr int kCtasPerSm = 2, kRing1 = 3, kProducerWarps1 = 2; };
+template <> struct WideTraits<64> { static constexpr int kCtasPerSm = 2; };
 // A wide tile's pipeline stage (both stages' wide kernels): 4 scale blocks
 // of K for kRows weight rows and kTokens tokens.
 template <int kTokens_>
@@ -2318,17 +2321,17 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     }
 }
 
-// Explicit instantiations of both widths, as for the GEMM configs.
-#define MOE_INSTANTIATE_WIDE(N)                                                                                \
-    template __global__ void stage1_wide_kernel<N>(const uint8_t*, const uint8_t*, const int*, const int*,     \
-        const int2*, const int*, int, int, int, int, int, uint8_t*, float2*, int,                              \
-        const __grid_constant__ TensorMap);                                                                \
+// Explicit instantiations, as for the GEMM configs: stage 2 of both widths,
+// stage 1 of 144 tokens.
+template __global__ void stage1_wide_kernel<144>(const uint8_t*, const uint8_t*, const int*, const int*, const int2*,
+    const int*, int, int, int, int, int, uint8_t*, float2*, int, const __grid_constant__ TensorMap);
+#define MOE_INSTANTIATE_WIDE_STAGE2(N)                                                                         \
     template __global__ void stage2_wide_kernel<N>(const uint8_t*, const int*, const float*, const int*,       \
         const int2*, const int*, int, int, int, int, int, float*, const __grid_constant__ TensorMap,           \
         const __grid_constant__ TensorMap);
-MOE_INSTANTIATE_WIDE(64)
-MOE_INSTANTIATE_WIDE(144)
-#undef MOE_INSTANTIATE_WIDE
+MOE_INSTANTIATE_WIDE_STAGE2(64)
+MOE_INSTANTIATE_WIDE_STAGE2(144)
+#undef MOE_INSTANTIATE_WIDE_STAGE2
 
 }  // namespace moe
 """
@@ -2518,143 +2521,158 @@ int stage2_row_tiles(Kernel kernel, int threads, SharedBytes shared_bytes_of, in
     return 1;
 }
 
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, int MT2>
-void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int num_pairs, int n_experts,
-                  int requested_splits, int requested_row_tiles,
-                  const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
-                  const torch::Tensor& down_weight, const torch::Tensor& down_scale, const Activations& act,
-                  const int* sorted_tokens, const float* sorted_weights, const int* expert_offsets,
-                  const int2* tiles, const int* num_tiles, int d_hidden, int d_hidden_pad, int d_expert,
-                  int d_expert_pad, const Activations& inter, torch::Tensor& accumulator) {
-    using S1 = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
-    using S2 = GemmShape<NT, MT2, WT, SB, STAGES, WG, FP8>;
+// What every GEMM launch of a call reads: its tensors, the routing's
+// results and the sizes. K slices and row tiles of 0 are chosen here.
+struct MoeCall {
+    cudaStream_t stream;
+    int num_pairs, n_experts, d_hidden, d_hidden_pad, d_expert, d_expert_pad, requested_splits, requested_row_tiles;
+    const torch::Tensor &gate_up_weight, &gate_up_scale, &down_weight, &down_scale;
+    const Activations &act, &inter;
+    const int* sorted_tokens;
+    const float* sorted_weights;
+    const int* expert_offsets;
+    torch::Tensor& accumulator;
+    int k_blocks1() const { return (d_hidden + kScaleBlock - 1) / kScaleBlock; }
+    int k_blocks2() const { return (d_expert + kScaleBlock - 1) / kScaleBlock; }
+    int columns1() const { return (d_expert + kStage1Columns - 1) / kStage1Columns; }
+    int grid_rows() const { return (d_hidden + kRows - 1) / kRows; }
+};
+// One of the routing's tile tables: the tiles, their count (on the device),
+// the grid's bound and the host's estimate of the count.
+struct TileTable {
+    const int2* tiles;
+    const int* count;
+    int max_tiles, estimate;
+};
+
+// Stage 1's K in slices of whole stages: returns the scale blocks per slice
+// and the fp32 partial sums the slices write (undefined for one slice).
+struct Stage1Slices {
+    int blocks;
+    torch::Tensor partial;
+    float2* partial_ptr() const {
+        return partial.defined() ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
+    }
+};
+Stage1Slices stage1_slices(const MoeCall& c, int splits, int stage_blocks) {
+    const int k_blocks = c.k_blocks1();
+    // Rounding up to whole stages may leave fewer, fuller slices.
+    const int blocks = ((k_blocks + splits - 1) / splits + stage_blocks - 1) / stage_blocks * stage_blocks;
+    Stage1Slices slices{blocks, torch::Tensor()};
+    if ((k_blocks + blocks - 1) / blocks > 1)
+        slices.partial = torch::empty({(k_blocks + blocks - 1) / blocks, c.num_pairs, c.d_expert_pad, 2},
+                                      c.accumulator.options());
+    return slices;
+}
+// After a sliced stage 1: the slices' sum through SwiGLU, quantised into inter.
+template <bool FP8>
+void launch_swiglu_quantize(const MoeCall& c, const Stage1Slices& slices) {
+    if (!slices.partial.defined()) return;
+    launch_after_previous(swiglu_quantize_kernel<FP8>,
+        dim3(c.num_pairs, c.d_expert_pad / (kSwigluWarps * kScaleBlock)), kSwigluWarps * 32, 0, c.stream,
+        slices.partial_ptr(), (int)slices.partial.size(0), c.num_pairs, c.expert_offsets, c.n_experts, c.d_expert,
+        c.d_expert_pad, c.inter.bytes(), c.inter.scales());
+}
+// Every expert's gate and up rows, in boxes of half a CTA's rows.
+TensorMap gate_up_map(const MoeCall& c, int stage_blocks) {
+    return tensor_map(c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_weight.size(0) * c.gate_up_weight.size(1),
+                      c.k_blocks1() * 16, c.d_hidden_pad / 2, stage_blocks * 16, kRows / 2);
+}
+// Stage 2's TMA maps: the down weights as one row per output column of
+// every expert, and the intermediate activations in boxes of a tile's rows.
+TensorMap down_map(const MoeCall& c, int stage_blocks) {
+    return tensor_map(c.down_weight.data_ptr<uint8_t>(), c.down_weight.size(0) * (int64_t)c.d_hidden_pad,
+                      c.k_blocks2() * 16, c.d_expert_pad / 2, stage_blocks * 16, kRows);
+}
+TensorMap inter_map(const MoeCall& c, int tile_tokens) {
+    return tensor_map(c.inter.bytes(), c.num_pairs, c.k_blocks2() * kScaleBlock * 2, c.d_expert_pad * 2, 128,
+                      tile_tokens);
+}
+
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
+void launch_stage1(const MoeCall& c, const TileTable& t) {
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
-    const auto stage2 = stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>;
-    const int k_blocks1 = (d_hidden + kScaleBlock - 1) / kScaleBlock;
-    const int k_blocks2 = (d_expert + kScaleBlock - 1) / kScaleBlock;
-    auto shared_bytes1 = [](int k_blocks) {
-        return S1::shared_bytes(k_blocks, S1::kTokens * kStage1HStride * (int)sizeof(float), 1, S1::kStages);
+    auto shared_bytes = [](int k_blocks) {
+        return S::shared_bytes(k_blocks, S::kTokens * kStage1HStride * (int)sizeof(float), 1, S::kStages);
     };
-    auto shared_bytes2 = [](int k_blocks, int row_tiles) {
-        return S2::shared_bytes(k_blocks, kStage2EpilogueBytes<S2>, row_tiles, kStage2Ring<S2>);
-    };
-    const int all_stages = SB * STAGES;   // the most of any launch: K fills every slot
-    allow_shared_memory(stage1, shared_bytes1(all_stages));
-    allow_shared_memory(stage2, shared_bytes2(all_stages, S2::kRowTiles ? 2 : 1));
-    const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
-    int splits = requested_splits > 0 ? requested_splits
-        : stage1_splits<S1>(stage1, shared_bytes1(k_blocks1), columns1, tiles_estimate, k_blocks1);
-    // Whole stages per slice; rounding up may leave fewer, fuller slices.
-    const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
-    splits = (k_blocks1 + split_blocks - 1) / split_blocks;
-    torch::Tensor partial;
-    if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
-    float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
-    const int smem1 = shared_bytes1(std::min(split_blocks, k_blocks1));
-    // Stage 1's TMA map (configs with kStage1WeightBoxes): every expert's
-    // gate and up rows, in boxes of half a CTA's rows.
-    const TensorMap weight_map1 = S1::kStage1WeightBoxes > 0
-        ? tensor_map(gate_up_weight.data_ptr<uint8_t>(), gate_up_weight.size(0) * gate_up_weight.size(1),
-                     k_blocks1 * 16, d_hidden_pad / 2, SB * 16, kRows / 2)
-        : TensorMap{};
-    launch_after_previous(stage1, dim3(max_tiles, columns1, splits), S1::kThreads, smem1, stream,
-        gate_up_weight.data_ptr<uint8_t>(), gate_up_scale.data_ptr<uint8_t>(),
-        act.bytes(), act.scales(), sorted_tokens, expert_offsets, tiles, num_tiles,
-        d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), inter.scales(),
-        partial_ptr, num_pairs, weight_map1);
-    if (splits > 1)
-        launch_after_previous(swiglu_quantize_kernel<FP8>, dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
-            kSwigluWarps * 32, 0, stream,
-            partial_ptr, splits, num_pairs, expert_offsets, n_experts, d_expert, d_expert_pad, inter.bytes(),
-            inter.scales());
-
-    const int grid_rows = (d_hidden + kRows - 1) / kRows;
-    const int row_tiles = !S2::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
-        : stage2_row_tiles(stage2, S2::kThreads, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
-                           tiles_estimate, grid_rows));
-    const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
-    const int smem2 = shared_bytes2(k_blocks2, row_tiles);
-    // Stage 2's TMA maps (kStage2WeightBoxes, kStage2ActTma): the weights as
-    // one row per output column of every expert.
-    const TensorMap weight_map = S2::kStage2WeightBoxes > 0
-        ? tensor_map(down_weight.data_ptr<uint8_t>(), down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
-                     d_expert_pad / 2, SB * 16, kRows)
-        : TensorMap{};
-    const TensorMap inter_map = S2::kStage2ActTma
-        ? tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock * 2, d_expert_pad * 2, 128, S2::kTokens)
-        : TensorMap{};
-    launch_after_previous(stage2, grid2, S2::kThreads, smem2, stream,
-        down_weight.data_ptr<uint8_t>(), down_scale.data_ptr<uint8_t>(),
-        inter.bytes(), inter.scales(), sorted_tokens, sorted_weights, expert_offsets, tiles, num_tiles,
-        d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
-        accumulator.data_ptr<float>(), weight_map, inter_map);
+    allow_shared_memory(stage1, shared_bytes(SB * STAGES));   // the most of any launch: K fills every slot
+    const int k_blocks = c.k_blocks1();
+    const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
+        : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks), SB);
+    launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), (k_blocks + slices.blocks - 1) / slices.blocks),
+        S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
+        c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
+        c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad, c.d_expert,
+        c.d_expert_pad, slices.blocks, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
+        S::kStage1WeightBoxes > 0 ? gate_up_map(c, SB) : TensorMap{});
+    launch_swiglu_quantize<FP8>(c, slices);
 }
 
-// Both stages over wide tiles of kTokens (bf16 warpgroup MMAs), with stage
-// 1's K slices and stage 2's row tiles per CTA sized for the CTAs per SM the
-// kernels get and the tile count the routing is expected to give.
+// MT: stage 2's weight rows per warp (the config's stage2_warp_rows).
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
+void launch_stage2(const MoeCall& c, const TileTable& t) {
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
+    const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
+    auto shared_bytes = [](int k_blocks, int row_tiles) {
+        return S::shared_bytes(k_blocks, kStage2EpilogueBytes<S>, row_tiles, kStage2Ring<S>);
+    };
+    allow_shared_memory(stage2, shared_bytes(SB * STAGES, S::kRowTiles ? 2 : 1));
+    const int k_blocks = c.k_blocks2(), grid_rows = c.grid_rows();
+    const int row_tiles = !S::kRowTiles ? 1 : std::min(grid_rows, c.requested_row_tiles > 0 ? c.requested_row_tiles
+        : stage2_row_tiles(stage2, S::kThreads, [&](int per_cta) { return shared_bytes(k_blocks, per_cta); },
+                           t.estimate, grid_rows));
+    launch_after_previous(stage2, dim3(t.max_tiles, (grid_rows + row_tiles - 1) / row_tiles), S::kThreads,
+        shared_bytes(k_blocks, row_tiles), c.stream,
+        c.down_weight.data_ptr<uint8_t>(), c.down_scale.data_ptr<uint8_t>(), c.inter.bytes(), c.inter.scales(),
+        c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
+        c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(),
+        S::kStage2WeightBoxes > 0 ? down_map(c, SB) : TensorMap{},
+        S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
+}
+
+// The wide kernels (bf16 warpgroup MMAs), with stage 1's K slices and stage
+// 2's row tiles per CTA sized for the CTAs per SM the kernels get and the
+// tile count the routing is expected to give.
 template <int kTokens>
-void launch_wide_gemms(cudaStream_t stream, int max_wide_tiles, int wide_tiles_estimate, int num_pairs,
-                       int n_experts, int requested_splits, int requested_row_tiles,
-                       const torch::Tensor& gate_up_weight, const torch::Tensor& gate_up_scale,
-                       const torch::Tensor& down_weight, const torch::Tensor& down_scale, const Activations& act,
-                       const int* sorted_tokens, const float* sorted_weights, const int* expert_offsets,
-                       const int2* wide_tiles, const int* num_wide_tiles, int d_hidden, int d_hidden_pad,
-                       int d_expert, int d_expert_pad, const Activations& inter, torch::Tensor& accumulator) {
-    using W1 = WideStage1<kTokens>;
-    using W2 = WideStage2<kTokens>;
-    constexpr int SB = W1::kStageBlocks;
+void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
+    using W = WideStage1<kTokens>;
     TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage1 = stage1_wide_kernel<kTokens>;
+    allow_shared_memory(stage1, W::kSharedBytes);
+    const int k_blocks = c.k_blocks1();
+    const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
+        : splits_to_fill((long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count(),
+                         (long long)t.estimate * c.columns1(), (k_blocks + W::kStageBlocks - 1) / W::kStageBlocks),
+        W::kStageBlocks);
+    launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), (k_blocks + slices.blocks - 1) / slices.blocks),
+        W::kThreads, W::kSharedBytes, c.stream,
+        c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count,
+        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.inter.bytes(), slices.partial_ptr(),
+        c.num_pairs, gate_up_map(c, W::kStageBlocks));
+    launch_swiglu_quantize<false>(c, slices);
+}
+
+// Row tiles per CTA as stage2_row_tiles takes them (the CTA's shared memory
+// does not grow with them).
+template <int kTokens>
+void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
+    using W = WideStage2<kTokens>;
+    TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
+                "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage2 = stage2_wide_kernel<kTokens>;
-    allow_shared_memory(stage1, W1::kSharedBytes);
-    allow_shared_memory(stage2, W2::kSharedBytes);
-    const int k_blocks1 = (d_hidden + kScaleBlock - 1) / kScaleBlock;
-    const int k_blocks2 = (d_expert + kScaleBlock - 1) / kScaleBlock;
-
-    const int columns1 = (d_expert + kStage1Columns - 1) / kStage1Columns;
-    int splits = requested_splits > 0 ? requested_splits
-        : splits_to_fill((long long)ctas_per_sm(stage1, W1::kThreads, W1::kSharedBytes) * sm_count(),
-                         (long long)wide_tiles_estimate * columns1, (k_blocks1 + SB - 1) / SB);
-    // Whole stages per slice; rounding up may leave fewer, fuller slices.
-    const int split_blocks = ((k_blocks1 + splits - 1) / splits + SB - 1) / SB * SB;
-    splits = (k_blocks1 + split_blocks - 1) / split_blocks;
-    torch::Tensor partial;
-    if (splits > 1) partial = torch::empty({splits, num_pairs, d_expert_pad, 2}, accumulator.options());
-    float2* partial_ptr = splits > 1 ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
-    // Every expert's gate and up rows, in boxes of half a CTA's rows.
-    const TensorMap weight_map1 = tensor_map(gate_up_weight.data_ptr<uint8_t>(),
-                                             gate_up_weight.size(0) * gate_up_weight.size(1), k_blocks1 * 16,
-                                             d_hidden_pad / 2, SB * 16, kRows / 2);
-    launch_after_previous(stage1, dim3(max_wide_tiles, columns1, splits), W1::kThreads, W1::kSharedBytes, stream,
-        gate_up_scale.data_ptr<uint8_t>(), act.bytes(), sorted_tokens, expert_offsets, wide_tiles, num_wide_tiles,
-        d_hidden, d_hidden_pad, d_expert, d_expert_pad, split_blocks, inter.bytes(), partial_ptr, num_pairs,
-        weight_map1);
-    if (splits > 1)
-        launch_after_previous(swiglu_quantize_kernel<false>, dim3(num_pairs, d_expert_pad / (kSwigluWarps * kScaleBlock)),
-            kSwigluWarps * 32, 0, stream,
-            partial_ptr, splits, num_pairs, expert_offsets, n_experts, d_expert, d_expert_pad, inter.bytes(),
-            inter.scales());
-
-    // Row tiles per CTA as stage2_row_tiles takes them (the CTA's shared
-    // memory does not grow with them).
-    const int grid_rows = (d_hidden + kRows - 1) / kRows;
-    const int row_tiles = std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
-        : stage2_row_tiles(stage2, W2::kThreads, [](int) { return W2::kSharedBytes; }, wide_tiles_estimate,
-                           grid_rows));
-    const TensorMap weight_map = tensor_map(down_weight.data_ptr<uint8_t>(),
-                                            down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
-                                            d_expert_pad / 2, SB * 16, kRows);
-    const TensorMap inter_map = tensor_map(inter.bytes(), num_pairs, k_blocks2 * kScaleBlock * 2,
-                                           d_expert_pad * 2, 128, kTokens);
-    launch_after_previous(stage2, dim3(max_wide_tiles, (grid_rows + row_tiles - 1) / row_tiles),
-        W2::kThreads, W2::kSharedBytes, stream,
-        down_scale.data_ptr<uint8_t>(), sorted_tokens, sorted_weights, expert_offsets, wide_tiles,
-        num_wide_tiles, d_hidden, d_hidden_pad, d_expert, d_expert_pad, row_tiles,
-        accumulator.data_ptr<float>(), weight_map, inter_map);
+    allow_shared_memory(stage2, W::kSharedBytes);
+    const int grid_rows = c.grid_rows();
+    const int row_tiles = std::min(grid_rows, c.requested_row_tiles > 0 ? c.requested_row_tiles
+        : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows));
+    launch_after_previous(stage2, dim3(t.max_tiles, (grid_rows + row_tiles - 1) / row_tiles),
+        W::kThreads, W::kSharedBytes, c.stream,
+        c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count,
+        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(),
+        down_map(c, W::kStageBlocks), inter_map(c, kTokens));
 }
 
 }  // namespace moe
@@ -2735,23 +2753,27 @@ torch::Tensor moe_forward(
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
-#define MOE_LAUNCH(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                                           \
-    if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2))                                                              \
-        launch_gemms<NT, MT, WT, SB, STAGES, WG, FP8, MT2>(stream, max_tiles, tiles_estimate, num_pairs,       \
-            n_experts, (int)stage1_splits, (int)stage2_row_tiles,                                             \
-            gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_tokens, sorted_weights,      \
-            expert_offsets, tiles, num_tiles, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,       \
-            inter, accumulator);
-    const auto launch_wide = wide_tile_tokens == 144 ? launch_wide_gemms<144> : launch_wide_gemms<64>;
-    if (use_wide_tiles)
-        launch_wide(stream, max_wide_tiles, wide_tiles_estimate, num_pairs, n_experts, (int)stage1_splits,
-                    (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight, down_scale, act, sorted_tokens,
-                    sorted_weights, expert_offsets, wide_tiles, num_wide_tiles, (int)d_hidden, d_hidden_pad,
-                    (int)d_expert, d_expert_pad, inter, accumulator);
-    else {
-        MOE_GEMM_CONFIGS(MOE_LAUNCH)
+    const MoeCall call{stream, num_pairs, n_experts, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,
+                       (int)stage1_splits, (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight,
+                       down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator};
+    const TileTable narrow{tiles, num_tiles, max_tiles, tiles_estimate};
+    const TileTable wide{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate};
+    // 64-token wide tiles are stage 2's only: stage 1 then runs the config's
+    // own 64-token kernel over the same tiles (see WideTraits).
+#define MOE_LAUNCH_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
+    if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2)) launch_stage1<NT, MT, WT, SB, STAGES, WG, FP8>(call, narrow);
+#define MOE_LAUNCH_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
+    if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2)) launch_stage2<NT, MT2, WT, SB, STAGES, WG, FP8>(call, narrow);
+    if (wide_tile_tokens == 144) {
+        launch_wide_stage1<144>(call, wide);
+        launch_wide_stage2<144>(call, wide);
+    } else {
+        MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1)
+        if (wide_tile_tokens == 64) launch_wide_stage2<64>(call, wide);
+        else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE2) }
     }
-#undef MOE_LAUNCH
+#undef MOE_LAUNCH_STAGE1
+#undef MOE_LAUNCH_STAGE2
 #undef MOE_IS
 
     launch_after_previous(convert_output_kernel,
@@ -2882,10 +2904,10 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     issue-bound, while its stage 1 was slower so). Beyond them 64-token tiles
     win: each warp converts its weights once for all 64 tokens, and on sm_90
     warpgroup MMAs read the tokens from shared memory without ldmatrix. On
-    sm_90 those run in the warp-specialised wide kernels (loading warps, two
-    compute warpgroups, no CTA barrier per stage), and with more than 96
-    tokens per expert over 144-token tiles, converting each weight once for
-    that many tokens."""
+    sm_90 stage 2 runs in the warp-specialised wide kernel (loading warps,
+    two compute warpgroups, no CTA barrier per stage), and with more than 96
+    tokens per expert both stages do, over 144-token tiles, converting each
+    weight once for that many tokens."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
         return KernelConfig(8, 16, 8, 8, 4, True, True, 32) if wgmma else KernelConfig(8, 16, 8, 8, 4, False)

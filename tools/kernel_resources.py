@@ -36,23 +36,20 @@ void show() {
         printf(" %8.1f", S2::shared_bytes(k_blocks, kStage2EpilogueBytes<S2>, 1, kStage2Ring<S2>) / 1024.0);
     printf("\n");
 }
-// A wide tile width's two kernels; each CTA's share of the SM is 227 KB over
-// its CTAs per SM.
-template <int kTokens>
-void show_wide() {
-    using W1 = WideStage1<kTokens>;
-    using W2 = WideStage2<kTokens>;
-    printf("wide stage 1, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", kTokens,
-           W1::kCtasPerSm, W1::kSharedBytes / 1024.0, W1::kRing, W1::kStageBytes / 1024.0, W1::kEpilogueBytes / 1024.0);
-    printf("wide stage 2, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", kTokens,
-           W2::kCtasPerSm, W2::kSharedBytes / 1024.0, W2::kRing, W2::kStageBytes / 1024.0, W2::kEpilogueBytes / 1024.0);
+// A wide kernel; each CTA's share of the SM is 227 KB over its CTAs per SM.
+template <typename W>
+void show_wide(int stage) {
+    printf("wide stage %d, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", stage,
+           W::kTokens, W::kCtasPerSm, W::kSharedBytes / 1024.0, W::kRing, W::kStageBytes / 1024.0,
+           W::kEpilogueBytes / 1024.0);
 }
 int main() {
     printf("%-34s %8s %12s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048");
 #define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
     MOE_GEMM_CONFIGS(MOE_SHOW)
-    show_wide<64>();
-    show_wide<144>();
+    show_wide<WideStage2<64>>(2);   // 64-token tiles: stage 2 only
+    show_wide<WideStage1<144>>(1);
+    show_wide<WideStage2<144>>(2);
 }
 """
 
