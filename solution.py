@@ -303,7 +303,38 @@ __device__ __forceinline__ int2 warp_inclusive_scan(int2 v, int lane) {
 # Kernel source: routing
 # ===========================================================================
 ROUTING_SOURCE = r"""
+#include <algorithm>
+#include <cmath>
 namespace moe {
+
+// The tiles of tile_tokens rows a call is expected to have (host code: the
+// host sizes grids and K slices by it, and never waits for the routing),
+// from a model of the routing: each shared expert (the last n_shared ids of
+// every token) fills m / tile_tokens tiles rounded up, and a routed
+// expert's pair count is taken as Poisson with the routed mean (normal
+// beyond a mean of 30), ceil(n / T) having expectation sum over j >= 0 of
+// P(n > jT). The host's older estimated_tiles overcounts experts with fewer
+// than T pairs: 49 wide tiles for the ~38 at bs=512 E=33, where it chose
+// one slice of stage 1's K and two were 9% faster (H200, 2026-12-01).
+inline double expected_tiles(int m, int top_k, int n_experts, int n_shared, int tile_tokens) {
+    if (n_shared < 0 || n_shared >= std::min(top_k, n_experts)) n_shared = 0;
+    const int routed = n_experts - n_shared;
+    const double mean = (double)m * (top_k - n_shared) / routed, sd = std::sqrt(mean);
+    double per_expert = 0.0;
+    if (mean <= 30.0) {
+        double pmf = std::exp(-mean), cdf = 0.0;
+        for (int n = 0; n <= (int)(mean + 12.0 * sd) + tile_tokens; ++n, pmf *= mean / n) {
+            cdf += pmf;
+            if (n % tile_tokens == 0) per_expert += std::max(0.0, 1.0 - cdf);   // P(X > n)
+        }
+    } else {   // P(X > jT) is 1 below 12 sd under the mean, 0 above 12 over it
+        const int first = std::max(0, (int)((mean - 12.0 * sd) / tile_tokens));
+        per_expert = first;
+        for (int j = first; j * tile_tokens <= mean + 12.0 * sd; ++j)
+            per_expert += 0.5 * std::erfc((j * tile_tokens + 0.5 - mean) / (sd * std::sqrt(2.0)));
+    }
+    return n_shared * (double)((m + tile_tokens - 1) / tile_tokens) + routed * per_expert;
+}
 
 // Run by one CTA (the first of route_and_quantize_kernel, 1024 threads).
 // Counts the (token, slot) pairs of each expert, writes expert_offsets[E+1],
@@ -2386,36 +2417,11 @@ struct Activations {
 
 // The GEMM tiles a call will have, estimated as pairs / tile_tokens plus
 // half the active experts: the host does not know the routing, and must not
-// wait for it.
+// wait for it. The narrow configs' K slices and row tiles were tuned on this
+// estimate; the wide kernels take expected_tiles (routing source), which
+// models the routing.
 int estimated_tiles(int num_pairs, int n_experts, int tile_tokens) {
     return num_pairs / tile_tokens + std::min(n_experts, num_pairs) / 2 + 1;
-}
-// The tiles a call is expected to have, from a model of the routing: each
-// shared expert (the last n_shared ids of every token) fills m / tile_tokens
-// tiles rounded up, and a routed expert's pair count is taken as Poisson
-// with the routed mean (normal beyond a mean of 30), ceil(n / T) having
-// expectation sum over j >= 0 of P(n > jT). estimated_tiles overcounts
-// experts with fewer than T pairs: 49 wide tiles for the ~38 at bs=512
-// E=33, where it chose one slice of stage 1's K and two were 9% faster
-// (H200, 2026-12-01).
-double expected_tiles(int m, int top_k, int n_experts, int n_shared, int tile_tokens) {
-    if (n_shared < 0 || n_shared >= std::min(top_k, n_experts)) n_shared = 0;
-    const int routed = n_experts - n_shared;
-    const double mean = (double)m * (top_k - n_shared) / routed, sd = std::sqrt(mean);
-    double per_expert = 0.0;
-    if (mean <= 30.0) {
-        double pmf = std::exp(-mean), cdf = 0.0;
-        for (int n = 0; n <= (int)(mean + 12.0 * sd) + tile_tokens; ++n, pmf *= mean / n) {
-            cdf += pmf;
-            if (n % tile_tokens == 0) per_expert += std::max(0.0, 1.0 - cdf);   // P(X > n)
-        }
-    } else {   // P(X > jT) is 1 below 12 sd under the mean, 0 above 12 over it
-        const int first = std::max(0, (int)((mean - 12.0 * sd) / tile_tokens));
-        per_expert = first;
-        for (int j = first; j * tile_tokens <= mean + 12.0 * sd; ++j)
-            per_expert += 0.5 * std::erfc((j * tile_tokens + 0.5 - mean) / (sd * std::sqrt(2.0)));
-    }
-    return n_shared * (double)((m + tile_tokens - 1) / tile_tokens) + routed * per_expert;
 }
 int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 

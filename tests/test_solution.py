@@ -520,6 +520,57 @@ int main() {
 """
 
 
+ROUTING_DRIVER = r"""
+#include <stdio.h>
+int main() {
+    int m, top_k, experts, shared, tile;
+    while (scanf("%d %d %d %d %d", &m, &top_k, &experts, &shared, &tile) == 5)
+        printf("%.6f\n", moe::expected_tiles(m, top_k, experts, shared, tile));
+    return 0;
+}
+"""
+
+
+def poisson_tiles(mean, tile):
+    """E[ceil(n / tile)] for n ~ Poisson(mean), summed term by term."""
+    total, n_max = 0.0, int(mean + 20 * math.sqrt(mean) + 2 * tile)
+    survival = 1.0   # P(n > k - 1) before term k
+    for k in range(n_max + 1):
+        survival -= math.exp(k * math.log(mean) - mean - math.lgamma(k + 1)) if mean > 0 else float(k == 0)
+        if k % tile == 0:
+            total += max(survival, 0.0)   # P(n > k)
+    return total
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_expected_tiles_follow_the_routing_model(tmp_path):
+    """expected_tiles (host code in the routing source) against the model it
+    states, summed exactly here: shared experts ceil(m / T) tiles each,
+    routed experts Poisson; within 1% where it takes the normal
+    approximation (means above 30)."""
+    (tmp_path / "routing.cu").write_text(solution.COMMON_SOURCE + solution.ROUTING_SOURCE + ROUTING_DRIVER)
+    build = subprocess.run(["nvcc", "-std=c++17", "-O2", "-gencode=arch=compute_90a,code=sm_90a",
+                            str(tmp_path / "routing.cu"), "-o", str(tmp_path / "routing")],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout + build.stderr
+    cases = [(512, 9, 33, 1, 144), (512, 9, 33, 1, 64), (128, 9, 33, 1, 64), (16, 9, 257, 1, 8),
+             (128, 9, 257, 1, 8), (512, 9, 257, 1, 24), (7, 9, 257, 1, 8), (1, 9, 33, 1, 144),
+             (20000, 9, 33, 1, 144), (512, 8, 32, 0, 144)]
+    invalid = [(512, 9, 33, 9, 144), (512, 9, 33, -1, 144)]   # taken as no shared experts
+    text = "".join(" ".join(map(str, case)) + "\n" for case in cases + invalid)
+    run = subprocess.run([str(tmp_path / "routing")], input=text, capture_output=True, text=True, timeout=60)
+    got = [float(line) for line in run.stdout.split()]
+    assert len(got) == len(cases) + len(invalid), run.stdout + run.stderr
+    for (m, top_k, experts, shared, tile), value in zip(cases, got):
+        mean = m * (top_k - shared) / (experts - shared)
+        model = shared * math.ceil(m / tile) + (experts - shared) * poisson_tiles(mean, tile)
+        assert value == pytest.approx(model, rel=1e-6 if mean <= 30 else 1e-2), (m, top_k, experts, shared, tile)
+    assert 37 < got[0] < 40   # bs=512 E=33: about 38 wide tiles (BENCHMARKS.md)
+    no_shared = 33 * poisson_tiles(512 * 9 / 33, 144)
+    for case, value in zip(invalid, got[len(cases):]):
+        assert value == pytest.approx(no_shared, rel=1e-2), case
+
+
 @pytest.fixture(scope="module")
 def helpers(tmp_path_factory):
     """Run (kind, uint32) queries through the helpers; returns a function."""
