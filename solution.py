@@ -336,6 +336,27 @@ inline double expected_tiles(int m, int top_k, int n_experts, int n_shared, int 
     return n_shared * (double)((m + tile_tokens - 1) / tile_tokens) + routed * per_expert;
 }
 
+// Exclusive scan of one int2 per thread over the whole CTA (every thread
+// calls it): returns the sum of the lower threads' values, and total the
+// CTA's. warp_totals: 32 int2 of shared memory, read until the caller's
+// next barrier, so two scans need one between them.
+__device__ __forceinline__ int2 block_exclusive_scan(int2 value, int2* warp_totals, int2& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int2 inclusive = warp_inclusive_scan(value, lane);
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+        const int nwarps = blockDim.x >> 5;
+        int2 t = lane < nwarps ? warp_totals[lane] : make_int2(0, 0);
+        warp_totals[lane] = warp_inclusive_scan(t, lane);
+    }
+    __syncthreads();
+    int2 prefix = make_int2(inclusive.x - value.x, inclusive.y - value.y);
+    if (warp > 0) { prefix.x += warp_totals[warp - 1].x; prefix.y += warp_totals[warp - 1].y; }
+    total = warp_totals[(blockDim.x >> 5) - 1];
+    return prefix;
+}
+
 // Run by one CTA (the first of route_and_quantize_kernel, 1024 threads).
 // Counts the (token, slot) pairs of each expert, writes expert_offsets[E+1],
 // the pairs sorted by expert (as each pair's token and routing weight, so
@@ -358,7 +379,7 @@ __device__ void route_pairs(
     int* tile_base = shared + 2 * n_experts;  // [E]
     __shared__ int2 warp_totals[32];
     __shared__ int bad;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
 
     for (int e = tid; e < n_experts; e += blockDim.x) counts[e] = 0;
     if (tid == 0) bad = 0;
@@ -379,17 +400,8 @@ __device__ void route_pairs(
         run.x += counts[e];
         run.y += (counts[e] + tile_tokens - 1) / tile_tokens;
     }
-    int2 inclusive = warp_inclusive_scan(run, lane);
-    if (lane == 31) warp_totals[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-        const int nwarps = blockDim.x >> 5;
-        int2 t = lane < nwarps ? warp_totals[lane] : make_int2(0, 0);
-        warp_totals[lane] = warp_inclusive_scan(t, lane);
-    }
-    __syncthreads();
-    int2 prefix = make_int2(inclusive.x - run.x, inclusive.y - run.y);
-    if (warp > 0) { prefix.x += warp_totals[warp - 1].x; prefix.y += warp_totals[warp - 1].y; }
+    int2 total;
+    int2 prefix = block_exclusive_scan(run, warp_totals, total);
     for (int e = first; e < last; ++e) {
         expert_offsets[e] = prefix.x;
         cursor[e] = prefix.x;
@@ -398,7 +410,6 @@ __device__ void route_pairs(
         prefix.y += (counts[e] + tile_tokens - 1) / tile_tokens;
     }
     if (tid == blockDim.x - 1) {
-        const int2 total = warp_totals[(blockDim.x >> 5) - 1];
         expert_offsets[n_experts] = total.x;
         *num_tiles = total.y;
         *bad_ids = bad;
@@ -409,25 +420,17 @@ __device__ void route_pairs(
         const int n = (counts[e] + tile_tokens - 1) / tile_tokens;
         for (int j = 0; j < n; ++j) tiles[tile_base[e] + j] = make_int2(e, cursor[e] + j * tile_tokens);
     }
-    if (wide_tile_tokens > 0) {   // the same scan, of wide tiles (warp_totals last read before the barrier above)
+    if (wide_tile_tokens > 0) {   // the same scan, of wide tiles (the barrier above ended the first)
         int2 wide_run = make_int2(0, 0);
         for (int e = first; e < last; ++e) wide_run.x += (counts[e] + wide_tile_tokens - 1) / wide_tile_tokens;
-        const int2 wide_inclusive = warp_inclusive_scan(wide_run, lane);
-        if (lane == 31) warp_totals[warp] = wide_inclusive;
-        __syncthreads();
-        if (warp == 0) {
-            const int nwarps = blockDim.x >> 5;
-            int2 t = lane < nwarps ? warp_totals[lane] : make_int2(0, 0);
-            warp_totals[lane] = warp_inclusive_scan(t, lane);
-        }
-        __syncthreads();
-        int base = wide_inclusive.x - wide_run.x + (warp > 0 ? warp_totals[warp - 1].x : 0);
+        int2 wide_total;
+        int base = block_exclusive_scan(wide_run, warp_totals, wide_total).x;
         for (int e = first; e < last; ++e) {
             const int n = (counts[e] + wide_tile_tokens - 1) / wide_tile_tokens;
             for (int j = 0; j < n; ++j) wide_tiles[base + j] = make_int2(e, cursor[e] + j * wide_tile_tokens);
             base += n;
         }
-        if (tid == blockDim.x - 1) *num_wide_tiles = warp_totals[(blockDim.x >> 5) - 1].x;
+        if (tid == blockDim.x - 1) *num_wide_tiles = wide_total.x;
     }
     __syncthreads();
     for (int p = tid; p < num_pairs; p += blockDim.x) {
@@ -774,6 +777,25 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, int parity) {
 #endif
 }
 
+// The warpgroup-MMA stage layouts (GemmShape's and the wide kernels').
+// Activations in the 128-byte-swizzled K-major layout: atoms of 8 tokens x
+// 128 bytes (64 bf16 or 128 e4m3 values), chunk c of token i at chunk c ^
+// (i % 8) of its row, so the tensor cores' reads (and the copies) spread
+// over all banks; a stage's next 128 bytes of K kTokens rows later.
+template <int kTokens>
+__device__ __forceinline__ int swizzled_act_offset(int token, int chunk) {
+    return (chunk >> 3) * (kTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
+         + (((chunk & 7) ^ (token & 7)) << 4);
+}
+// Weight rows of SB 16-byte chunks, dense, chunk c of row r at chunk c ^
+// swizzle(r): TMA's 128-byte (SB 8) or 64-byte (SB 4) swizzle, so that the
+// eight 16-byte rows an ldmatrix phase reads fall in eight bank groups.
+template <int SB>
+__device__ __forceinline__ int swizzled_weight_offset(int row, int chunk) {
+    static_assert(SB == 4 || SB == 8, "stages of 4 or 8 blocks");
+    return row * (SB * 16) + ((chunk ^ (SB == 8 ? row & 7 : (row >> 1) & 3)) << 4);
+}
+
 // A GEMM CTA: kRows weight rows x NT*8 tokens, its K streamed through a
 // cp.async pipeline of STAGES stages of SB scale blocks each. Each warp
 // computes MT m16 tiles of weight rows times WT n8 tiles of tokens: warps
@@ -813,16 +835,12 @@ struct GemmShape {
     static __device__ __forceinline__ int first_token(int warp) { return (warp / kRowWarps) * WT * 8; }
     // A stage's weight rows, SB 16-byte chunks each, so that the eight
     // 16-byte rows an ldmatrix phase reads fall in eight different bank
-    // groups: for warpgroup-MMA configs dense, chunk c of row r at chunk c ^
-    // weight_swizzle(r), TMA's 128-byte (SB 8) or 64-byte (SB 4) swizzle,
-    // which stage 2 loads them with; otherwise rows padded by 16 bytes.
+    // groups: for warpgroup-MMA configs swizzled (swizzled_weight_offset, as
+    // the TMA boxes land them); otherwise rows padded by 16 bytes.
     static_assert(!WG || SB == 4 || SB == 8, "warpgroup-MMA stages of 4 or 8 blocks");
     static constexpr int kWeightStride = WG ? SB * 16 : SB * 16 + 16;
-    static __device__ __forceinline__ int weight_swizzle(int row) {
-        return !WG ? 0 : SB == 8 ? row & 7 : (row >> 1) & 3;
-    }
     static __device__ __forceinline__ int weight_offset(int row, int chunk) {
-        return row * kWeightStride + ((chunk ^ weight_swizzle(row)) << 4);
+        return WG ? swizzled_weight_offset<SB>(row, chunk) : row * kWeightStride + (chunk << 4);
     }
     static constexpr int kActValueBytes = FP8 ? 1 : 2;
     static constexpr int kActStride = SB * kScaleBlock * 2 + 16;
@@ -880,14 +898,9 @@ struct GemmShape {
     static __device__ __forceinline__ int act_copy_chunk(int tid, int j) {
         return kFourPerToken ? (tid & 3) + 4 * j : tid % kActRowChunks;
     }
-    // Warpgroup MMAs read the tokens in the 128-byte-swizzled K-major layout:
-    // atoms of 8 tokens x 128 bytes (64 bf16 or 128 e4m3 values), chunk c of token i
-    // at chunk c ^ (i % 8) of its row, so the tensor cores' reads (and the
-    // copies) spread over all banks.
+    // Warpgroup MMAs read the tokens swizzled (swizzled_act_offset).
     static __device__ __forceinline__ int act_offset(int token, int chunk) {
-        return WG ? (chunk >> 3) * (kTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
-                        + (((chunk & 7) ^ (token & 7)) << 4)
-                  : token * kActStride + chunk * 16;
+        return WG ? swizzled_act_offset<kTokens>(token, chunk) : token * kActStride + chunk * 16;
     }
     // Stage 2's K (d_expert) is short: with one row tile per CTA its CTAs
     // run a stage or two each and hide memory latency only behind each
@@ -1768,6 +1781,26 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
     atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
 #endif
 }
+// A finished row tile in shared memory (y: the tile's tokens x kRows output
+// columns from col0, kStage2YStride apart), each token's row times its
+// routing weight, added into the accumulator row of its token: a float4 of
+// four columns per item, items first, first + stride, ...
+__device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& tile, int col0, int d_hidden,
+                                                  const int* __restrict__ sorted_tokens,
+                                                  const float* __restrict__ sorted_weights,
+                                                  float* __restrict__ accumulator, int d_hidden_pad, int first,
+                                                  int stride) {
+    for (int item = first; item < tile.rows * (kRows / 4); item += stride) {
+        const int token = item / (kRows / 4), quad = item % (kRows / 4);
+        const int col = col0 + quad * 4;
+        if (col >= d_hidden) continue;
+        const int row = tile.row_start + token;
+        const float weight = sorted_weights[row];
+        const float* src = y + token * kStage2YStride + quad * 4;
+        atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
+                          make_float4(weight * src[0], weight * src[1], weight * src[2], weight * src[3]));
+    }
+}
 
 // CTA (tile, blockIdx.y): output columns [128*row_tiles*y, +128*row_tiles)
 // of the tile's rows (fewer at d_hidden's end), 128 per row tile, scaled by
@@ -1814,16 +1847,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                     y[(first_token + nt * 8 + 2 * t + (i & 1)) * kStage2YStride
                       + first_row + mt * S::kMTileStride + g + (i >> 1) * 8] = acc[mt][nt][i];
         __syncthreads();
-        for (int item = tid; item < tile.rows * (kRows / 4); item += S::kThreads) {
-            const int token = item / (kRows / 4), quad = item % (kRows / 4);
-            const int col = row0 + row_tile * kRows + quad * 4;
-            if (col >= d_hidden) continue;
-            const int row = tile.row_start + token;
-            const float w = sorted_weights[row];
-            const float* src = y + token * kStage2YStride + quad * 4;
-            atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
-                              make_float4(w * src[0], w * src[1], w * src[2], w * src[3]));
-        }
+        add_weighted_rows(y, tile, row0 + row_tile * kRows, d_hidden, sorted_tokens, sorted_weights, accumulator,
+                          d_hidden_pad, tid, S::kThreads);
     };
 
     float acc[MT][WT][4];
@@ -1938,16 +1963,11 @@ struct WideLayout {
     static constexpr int kScaleBytes = kRows * kStageBlocks;
     static constexpr int kActOffset = 0, kWeightOffset = kActBytes, kScaleOffset = kWeightOffset + kWeightBytes;
     static constexpr int kStageBytes = (kActBytes + kWeightBytes + kScaleBytes + 1023) / 1024 * 1024;
-    // The activations in the 128-byte swizzle (as GemmShape::act_offset): 64
-    // k of a token per 128-byte row, 8-token atoms, the stage's two halves of
-    // K one after the other.
     static __device__ __forceinline__ int act_offset(int token, int chunk) {
-        return (chunk >> 3) * (kWideTokens * 128) + (token >> 3) * 1024 + (token & 7) * 128
-             + (((chunk & 7) ^ (token & 7)) << 4);
+        return swizzled_act_offset<kWideTokens>(token, chunk);
     }
-    // The weights as the 64-byte-swizzled TMA box lands them (GemmShape::weight_offset, 4 blocks).
     static __device__ __forceinline__ int weight_offset(int row, int chunk) {
-        return row * (kStageBlocks * 16) + ((chunk ^ ((row >> 1) & 3)) << 4);
+        return swizzled_weight_offset<kStageBlocks>(row, chunk);
     }
 };
 struct WideStage2 : WideLayout {
@@ -2129,16 +2149,8 @@ __global__ void __launch_bounds__(WideStage2::kThreads, 1) stage2_wide_kernel(
             for (int i = 0; i < 4; ++i)
                 y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
         named_barrier_sync(1, W::kConsumerWarps * 32);
-        for (int item = tid; item < tile.rows * (kRows / 4); item += W::kConsumerWarps * 32) {
-            const int token = item / (kRows / 4), quad = item % (kRows / 4);
-            const int col = row0 + row_tile * kRows + quad * 4;
-            if (col >= d_hidden) continue;
-            const int row = tile.row_start + token;
-            const float weight = sorted_weights[row];
-            const float* src = y + token * kStage2YStride + quad * 4;
-            atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
-                              make_float4(weight * src[0], weight * src[1], weight * src[2], weight * src[3]));
-        }
+        add_weighted_rows(y, tile, row0 + row_tile * kRows, d_hidden, sorted_tokens, sorted_weights, accumulator,
+                          d_hidden_pad, tid, W::kConsumerWarps * 32);
         named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
     }
 }
@@ -2458,12 +2470,12 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int tiles, int k_blo
 // as one row tile does and leave at least two waves of CTAs. (The caller
 // keeps one for bf16 warpgroup-MMA configs: see GemmShape::kRowTiles.)
 // shared_bytes_of(row_tiles): a CTA's shared memory.
-template <typename S, typename Kernel, typename SharedBytes>
-int stage2_row_tiles(Kernel kernel, SharedBytes shared_bytes_of, int tiles, int grid_rows) {
-    const int per_sm = ctas_per_sm(kernel, S::kThreads, shared_bytes_of(1));
+template <typename Kernel, typename SharedBytes>
+int stage2_row_tiles(Kernel kernel, int threads, SharedBytes shared_bytes_of, int tiles, int grid_rows) {
+    const int per_sm = ctas_per_sm(kernel, threads, shared_bytes_of(1));
     const long long slots = (long long)per_sm * sm_count();
     for (int row_tiles = 8; row_tiles > 1; row_tiles /= 2)
-        if (ctas_per_sm(kernel, S::kThreads, shared_bytes_of(row_tiles)) == per_sm
+        if (ctas_per_sm(kernel, threads, shared_bytes_of(row_tiles)) == per_sm
             && (long long)tiles * ((grid_rows + row_tiles - 1) / row_tiles) >= 2 * slots)
             return row_tiles;
     return 1;
@@ -2543,16 +2555,10 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
 
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
     if (wide) {
-        // One CTA per SM: the most row tiles per CTA (up to 8) that leave
-        // two waves of CTAs.
-        int row_tiles = 1;
-        for (int r = 8; r > 1 && requested_row_tiles <= 0; r /= 2)
-            if ((long long)wide_tiles_estimate * ((grid_rows + r - 1) / r) >= 2LL * sm_count()) {
-                row_tiles = r;
-                break;
-            }
-        if (requested_row_tiles > 0) row_tiles = requested_row_tiles;
-        row_tiles = std::min(row_tiles, grid_rows);
+        // The CTA's shared memory does not grow with its row tiles.
+        const int row_tiles = std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
+            : stage2_row_tiles(stage2_wide_kernel, WideStage2::kThreads, [](int) { return WideStage2::kSharedBytes; },
+                               wide_tiles_estimate, grid_rows));
         const TensorMap weight_map = tensor_map(down_weight.data_ptr<uint8_t>(),
                                                 down_weight.size(0) * (int64_t)d_hidden_pad, k_blocks2 * 16,
                                                 d_expert_pad / 2, SB * 16, kRows);
@@ -2566,8 +2572,8 @@ void launch_gemms(cudaStream_t stream, int max_tiles, int tiles_estimate, int wi
         return;
     }
     const int row_tiles = !S2::kRowTiles ? 1 : std::min(grid_rows, requested_row_tiles > 0 ? requested_row_tiles
-        : stage2_row_tiles<S2>(stage2, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
-                               tiles_estimate, grid_rows));
+        : stage2_row_tiles(stage2, S2::kThreads, [&](int per_cta) { return shared_bytes2(k_blocks2, per_cta); },
+                           tiles_estimate, grid_rows));
     const dim3 grid2(max_tiles, (grid_rows + row_tiles - 1) / row_tiles);
     const int smem2 = shared_bytes2(k_blocks2, row_tiles);
     // Stage 2's TMA maps (kStage2WeightBoxes, kStage2ActTma): the weights as
