@@ -1729,11 +1729,22 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
     const int row = blockIdx.x, lane = threadIdx.x & 31;
     const int col = (blockIdx.y * kSwigluWarps + (threadIdx.x >> 5)) * kScaleBlock + lane;
     if (row >= expert_offsets[n_experts] || col - lane >= d_expert) return;   // warp-uniform
+    // Four slices' loads in flight at a time (ptxas's own unrolling left two
+    // or three slices one round trip each), added in slice order.
+    const float2* slices = partial + (size_t)row * d_expert_pad + col;
+    const size_t slice_stride = (size_t)num_pairs * d_expert_pad;
     float2 sum = make_float2(0.0f, 0.0f);
-    for (int z = 0; z < splits; ++z) {
-        const float2 v = partial[((size_t)z * num_pairs + row) * d_expert_pad + col];
-        sum.x += v.x;
-        sum.y += v.y;
+    for (int z0 = 0; z0 < splits; z0 += 4) {
+        float2 v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (z0 + i < splits) v[i] = slices[(z0 + i) * slice_stride];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (z0 + i < splits) {
+                sum.x += v[i].x;
+                sum.y += v[i].y;
+            }
     }
     const size_t block_start = (size_t)row * d_expert_pad + col - lane;
     quantize_block_warp<kFp8>(col < d_expert ? swiglu_bf16(sum.x, sum.y) : 0.0f, lane,
