@@ -2715,10 +2715,12 @@ torch::Tensor moe_forward(
                 ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages,
                 ", wgmma=", wgmma, ", fp8=", fp8, ", stage2_warp_rows=", stage2_warp_rows);
     TORCH_CHECK(wide_tile_tokens == 0 || ((wide_tile_tokens == 64 || wide_tile_tokens == 144) && wgmma && !fp8
-                                          && stage_blocks == 4),
-                "moe_mxfp4: wide tiles of ", wide_tile_tokens, " tokens: only 64 or 144, with a bf16 "
-                "warpgroup-MMA config of 4-block stages");
-    const bool use_wide_tiles = wide_tile_tokens > 0;
+                                          && stage_blocks == 4 && tile_tokens == 64),
+                "moe_mxfp4: wide tiles of ", wide_tile_tokens, " tokens: only 64 or 144, with the bf16 "
+                "warpgroup-MMA config of 64-token tiles and 4-block stages");
+    // The routing's second table, of 144-token tiles; 64-token wide tiles
+    // are the config's own tiles, so the wide stage 2 then reads its table.
+    const bool use_wide_tiles = wide_tile_tokens == 144;
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -2749,7 +2751,7 @@ torch::Tensor moe_forward(
 
     // What the host expects of the routing, to size grids and K slices.
     const int tiles_estimate = estimated_tiles(num_pairs, n_experts, (int)tile_tokens);
-    const int wide_tiles_estimate = use_wide_tiles
+    const int wide_tiles_estimate = wide_tile_tokens > 0
         ? (int)std::lround(expected_tiles(m, top_k, n_experts, (int)n_shared_experts, (int)wide_tile_tokens)) : 0;
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
@@ -2760,7 +2762,7 @@ torch::Tensor moe_forward(
                          route_smem, stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
-        (int)wide_tile_tokens, wide_tiles, num_wide_tiles,
+        use_wide_tiles ? (int)wide_tile_tokens : 0, wide_tiles, num_wide_tiles,
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
@@ -2768,7 +2770,8 @@ torch::Tensor moe_forward(
                        (int)stage1_splits, (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight,
                        down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator};
     const TileTable narrow{tiles, num_tiles, max_tiles, tiles_estimate};
-    const TileTable wide{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate};
+    const TileTable wide = use_wide_tiles ? TileTable{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate}
+                                          : TileTable{tiles, num_tiles, max_tiles, wide_tiles_estimate};
     // 64-token wide tiles are stage 2's only: stage 1 then runs the config's
     // own 64-token kernel over the same tiles (see WideTraits).
 #define MOE_LAUNCH_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
