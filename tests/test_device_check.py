@@ -77,3 +77,9 @@ def test_robust_is_multibuild_and_sanitize(tmp_path, parts, builds, sanitizes):
     out = run_script(tmp_path, "ok", {}, parts)
     assert ("four processes importing at once" in out) == builds, out
     assert ("compute-sanitizer --tool racecheck" in out) == sanitizes, out
+
+
+def test_host_step_times_the_host_cost_when_named(tmp_path):
+    out = run_script(tmp_path, "ok", {}, ["host"])
+    assert "python3 tools/profile_kernels.py --host" in out, out
+    assert "tools/ab_bench.py" not in out, out

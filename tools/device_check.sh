@@ -2,9 +2,11 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|official|profile|sweep|ab|ncu|stalls|selfbench|bench|robust|multibuild|sanitize|all]...
+#   tools/device_check.sh [tests|official|profile|host|sweep|ab|ncu|stalls|selfbench|bench|robust|multibuild|sanitize|all]...
 #   (default: all)
 #   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
+#    host = each benchmark shape's host us per call, split into the input check and the launching
+#    (tools/profile_kernels.py --host; not part of "all");
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
@@ -106,6 +108,10 @@ fi
 if want profile; then
   step "per-kernel times"
   python3 tools/profile_kernels.py 3 2>"$OUT/profile.err" | tee "$OUT/profile.log" || status=1
+fi
+if asked host; then   # not part of "all"
+  step "host us per call"
+  python3 tools/profile_kernels.py --host 2>"$OUT/host.err" | tee "$OUT/host.log" || status=1
 fi
 if asked sweep; then
   step "config sweep"
