@@ -3075,22 +3075,27 @@ def validate_inputs(data: input_t) -> None:
                          f"{n_experts} experts")
 
 
-def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = None,
-                 stage1_splits: int = 0, stage2_row_tiles: int = 0) -> output_t:
-    """The CUDA kernels; kernel_config, stage1_splits (slices of stage 1's K)
-    and stage2_row_tiles (row tiles per stage-2 CTA) override the choices, for
-    tests and sweeps (0: the host code chooses)."""
+def _moe_forward_args(data: input_t, kernel_config: Optional[KernelConfig] = None, stage1_splits: int = 0,
+                      stage2_row_tiles: int = 0) -> tuple:
+    """moe_forward's arguments for an input (see _run_kernels)."""
     (hidden_states, gate_up_weight, down_weight, gate_up_scale, down_scale,
      _, _, _, _, topk_weights, topk_ids, config) = data
     if kernel_config is None:
         kernel_config = choose_config(hidden_states.shape[0], topk_ids.shape[1], gate_up_weight.shape[0],
                                       config["d_expert"], _has_wgmma(hidden_states.device.index))
     as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
-    return module.moe_forward(
-        hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
-        as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
-        config["d_hidden"], config["d_expert"], config.get("n_shared_experts", 0), *kernel_config, stage1_splits,
-        stage2_row_tiles)
+    return (hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
+            as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
+            config["d_hidden"], config["d_expert"], config.get("n_shared_experts", 0), *kernel_config, stage1_splits,
+            stage2_row_tiles)
+
+
+def _run_kernels(module, data: input_t, kernel_config: Optional[KernelConfig] = None,
+                 stage1_splits: int = 0, stage2_row_tiles: int = 0) -> output_t:
+    """The CUDA kernels; kernel_config, stage1_splits (slices of stage 1's K)
+    and stage2_row_tiles (row tiles per stage-2 CTA) override the choices, for
+    tests and sweeps (0: the host code chooses)."""
+    return module.moe_forward(*_moe_forward_args(data, kernel_config, stage1_splits, stage2_row_tiles))
 
 
 def _run_aiter(fused_moe, data: input_t) -> output_t:

@@ -120,6 +120,23 @@ def test_config_chooser_needs_sm90_for_warpgroup_mmas(m, experts, d_expert):
     assert not config.wgmma and not config.fp8 and config in solution.GEMM_CONFIGS
 
 
+def test_moe_forward_args_match_its_declaration():
+    # The binding's parameters, in order, against what the dispatcher passes (on the CPU: the args are built
+    # without a GPU when the config is given).
+    declaration = solution.HOST_DECLARATION[solution.HOST_DECLARATION.index("moe_forward("):]
+    params = [p.split()[-1] for p in declaration[declaration.index("(") + 1:declaration.index(")")].split(",")]
+    data = to_cpu(small_input())
+    config = solution.KernelConfig(8, 16, 8, 8, 4, True, True, 32)
+    args = solution._moe_forward_args(data, config, stage1_splits=3, stage2_row_tiles=2)
+    assert len(args) == len(params), (params, args)
+    named = dict(zip(params, args))
+    assert named["d_hidden"] == data[11]["d_hidden"] and named["d_expert"] == data[11]["d_expert"]
+    assert named["n_shared_experts"] == data[11].get("n_shared_experts", 0)
+    assert [named[field] for field in config._fields] == list(config)
+    assert named["stage1_splits"] == 3 and named["stage2_row_tiles"] == 2
+    assert named["gate_up_weight"].dtype == torch.uint8 and named["topk_ids"] is data[10]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     """The device code alone (no torch headers) through nvcc: catches build

@@ -19,8 +19,9 @@
                                                 N, 0-6) and the test shapes', to FILE
     python tools/profile_kernels.py --load FILE  each input in FILE called once: no other kernels run
     python tools/profile_kernels.py --host       host us per call on each benchmark shape: validate_inputs,
-                                                _run_kernels (its Python and moe_forward's C++) and the
-                                                whole custom_kernel, each the least of 50 calls to an idle GPU
+                                                _moe_forward_args (the Python before the C++), moe_forward
+                                                (the C++: allocations, tensor maps, launches) and the whole
+                                                custom_kernel, each the least of 50 calls to an idle GPU
         (racecheck fails inside cuBLAS, which the input generator uses, so it runs on saved inputs)
 
 The per-kernel view runs each shape under torch.profiler. The sweep times
@@ -162,21 +163,25 @@ def load(path: str) -> None:
 
 def host_cost() -> None:
     """Where a call's host time goes: eval.py's host_call_ns (the call's wall
-    time, issued to an idle GPU) of the input check alone, of the launching
-    (_run_kernels: choose_config, the byte views, moe_forward's allocations,
-    tensor maps and launches) and of the whole custom_kernel."""
+    time, issued to an idle GPU) of the input check alone, of building
+    moe_forward's arguments (choose_config, the byte views), of moe_forward
+    itself (its allocations, tensor maps and launches) and of the whole
+    custom_kernel."""
     module = solution._backend(torch.device("cuda"))[1]
 
     def least_us(call, data) -> float:
         return min(harness.host_call_ns(call, data) for _ in range(50)) / 1e3
 
-    print(f"{'shape':<28} {'validate':>9} {'launch':>9} {'custom_kernel':>14}   host us, least of 50 calls")
+    print(f"{'shape':<28} {'validate':>9} {'args':>7} {'moe_forward':>12} {'custom_kernel':>14}"
+          "   host us, least of 50 calls")
     for label, data in benchmark_inputs():
         solution.custom_kernel(data)
+        args = solution._moe_forward_args(data)
         validate = least_us(solution.validate_inputs, data)
-        launch = least_us(lambda d: solution._run_kernels(module, d), data)
+        build_args = least_us(solution._moe_forward_args, data)
+        forward = least_us(lambda _: module.moe_forward(*args), data)
         total = least_us(solution.custom_kernel, data)
-        print(f"{label:<28} {validate:9.1f} {launch:9.1f} {total:14.1f}", flush=True)
+        print(f"{label:<28} {validate:9.1f} {build_args:7.1f} {forward:12.1f} {total:14.1f}", flush=True)
 
 
 if __name__ == "__main__":
