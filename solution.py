@@ -2555,7 +2555,8 @@ int stage2_row_tiles(Kernel kernel, int threads, SharedBytes shared_bytes_of, in
 }
 
 // What every GEMM launch of a call reads: its tensors, the routing's
-// results and the sizes. K slices and row tiles of 0 are chosen here.
+// results and the sizes. Requested K slices or row tiles of 0: the launch
+// functions choose them.
 struct MoeCall {
     cudaStream_t stream;
     int num_pairs, n_experts, d_hidden, d_hidden_pad, d_expert, d_expert_pad, requested_splits, requested_row_tiles;
@@ -2742,7 +2743,7 @@ torch::Tensor moe_forward(
                 "warpgroup-MMA config of 64-token tiles and 4-block stages");
     // The routing's second table, of 144-token tiles; 64-token wide tiles
     // are the config's own tiles, so the wide stage 2 then reads its table.
-    const bool use_wide_tiles = wide_tile_tokens == 144;
+    const bool wide_table = wide_tile_tokens == 144;
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -2755,7 +2756,7 @@ torch::Tensor moe_forward(
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // Tiles: at most one partial tile per expert that has any pair.
     const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
-    const int max_wide_tiles = use_wide_tiles ? num_pairs / wide_tile_tokens + std::min(n_experts, num_pairs) + 1 : 0;
+    const int max_wide_tiles = wide_table ? num_pairs / wide_tile_tokens + std::min(n_experts, num_pairs) + 1 : 0;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
     auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 1},
                                 int_opts);
@@ -2784,7 +2785,7 @@ torch::Tensor moe_forward(
                          route_smem, stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
-        use_wide_tiles ? (int)wide_tile_tokens : 0, wide_tiles, num_wide_tiles,
+        wide_table ? (int)wide_tile_tokens : 0, wide_tiles, num_wide_tiles,
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 
@@ -2792,7 +2793,7 @@ torch::Tensor moe_forward(
                        (int)stage1_splits, (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight,
                        down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator};
     const TileTable narrow{tiles, num_tiles, max_tiles, tiles_estimate};
-    const TileTable wide = use_wide_tiles ? TileTable{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate}
+    const TileTable wide = wide_table ? TileTable{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate}
                                           : TileTable{tiles, num_tiles, max_tiles, wide_tiles_estimate};
     // 64-token wide tiles are stage 2's only: stage 1 then runs the config's
     // own 64-token kernel over the same tiles (see WideTraits).
