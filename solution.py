@@ -532,6 +532,14 @@ struct alignas(64) TensorMap { unsigned char bytes[128]; };
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
+// The first kAlignment-aligned byte of dynamic shared memory (16-byte
+// aligned), as an offset from the array itself: through an integer cast the
+// compiler no longer knows the pointer is shared, and every access became a
+// generic LD/ST with 64-bit address work (SASS, 2026-12-01).
+template <uint32_t kAlignment>
+__device__ __forceinline__ uint8_t* align_shared(uint8_t* smem) {
+    return smem + ((kAlignment - (smem_addr(smem) & (kAlignment - 1))) & (kAlignment - 1));
+}
 // 16 bytes global -> shared, bypassing L1, of which the first src_bytes (16
 // or 0) are read and the rest zero-filled.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
@@ -970,7 +978,7 @@ struct GemmShape {
         return row_tiles > 1 ? pipeline + epilogue_bytes : (pipeline > epilogue_bytes ? pipeline : epilogue_bytes);
     }
     static __device__ __forceinline__ uint8_t* aligned_base(uint8_t* smem) {
-        return smem + ((kStageAlignment - (smem_addr(smem) & (kStageAlignment - 1))) & (kStageAlignment - 1));
+        return align_shared<kStageAlignment>(smem);
     }
     static __device__ __forceinline__ uint8_t* epilogue_buffer(uint8_t* smem, int k_blocks, int row_tiles, int ring) {
         return row_tiles > 1 ? aligned_base(smem) + kStageBytes * pipeline_slots(k_blocks, row_tiles, ring) : smem;
@@ -2124,11 +2132,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     let_next_kernel_launch();
     Tile tile;
     if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kTokens)) return;
-    // The stages at 1024 bytes (dynamic shared memory is 16-byte aligned),
-    // by an offset from the array itself: through an integer cast the
-    // compiler no longer knows the pointer is shared, and every access
-    // became a generic LD/ST with 64-bit address work (SASS, 2026-12-01).
-    uint8_t* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);
+    uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     // The warp index through a shuffle: warp-uniform to ptxas, so that the
     // consumer warps' MMAs are not in a path it thinks divergent.
@@ -2231,7 +2235,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     let_next_kernel_launch();
     Tile tile;
     if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kTokens)) return;
-    uint8_t* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);   // as stage2_wide_kernel
+    uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* h = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
     const int col0 = blockIdx.y * kStage1Columns;
