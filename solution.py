@@ -511,6 +511,34 @@ GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(dict.fromkeys(
     f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, {(c.stage2_warp_rows or c.warp_rows) // 16})"
     for c in GEMM_CONFIGS)) + "\n"
 
+
+def _wgmma_bf16_source(n: int) -> str:
+    """The m64n{n}k16 bf16 warpgroup MMA wrapper (n/2 accumulator registers,
+    too many to write out by hand): d (+)= a.b, a from registers, b by
+    descriptor (see wgmma_descriptor_low); accumulate 0 gives d = a.b, the
+    first MMA of a wide row tile, so that no accumulator is zeroed between
+    tiles."""
+    regs = n // 2
+    outputs = ", ".join(f"%{i}" for i in range(regs))
+    constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+    return f"""
+__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
+                                                 uint32_t b_descriptor, uint32_t accumulate) {{
+#ifdef MOE_HAS_WGMMA
+    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
+                 "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outputs}}}, "
+                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1, 0;\\n}}\\n"
+                 : {constraints}
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
+                   "r"(kWgmmaDescriptorHigh));
+#else
+    __trap();
+#endif
+}}
+"""
+
+
 GEMM_SOURCE = r"""
 // Tensor maps for TMA copies (CUDA only: the bf16 warpgroup-MMA configs that
 // use them are sm_90-only; elsewhere an opaque stand-in of the same size).
@@ -634,27 +662,7 @@ __device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) {
     return smem_addr(p) >> 4 | 1u << 16;
 }
 constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;   // atom stride; 128-byte swizzle
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4], uint32_t b_descriptor) {
-#ifdef MOE_HAS_WGMMA
-    asm volatile("{\n.reg .pred accumulate;\n.reg .b64 b;\nsetp.ne.b32 accumulate, %37, 0;\n"
-                 "mov.b64 b, {%36, %38};\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, b, accumulate, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-                   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-                   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(1), "r"(kWgmmaDescriptorHigh));
-#else
-    __trap();
-#endif
-}
+""" + "".join(_wgmma_bf16_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) + r"""
 // d(64 x 8*N8) = a(64 x 32) . b(32 x 8*N8), e4m3 in, fp32 out; d's previous
 // contents are discarded (scale-d false): one scale block's fresh sum. a
 // from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows
@@ -1267,7 +1275,7 @@ __device__ __forceinline__ bool gemm_mainloop(
                     wgmma_fence();
 #pragma unroll
                     for (int s = 0; s < 2; ++s)
-                        wgmma_m64n64k16(acc[0], a[0][s], act_descriptor + S::act_offset(0, block * 4 + 2 * s) / 16);
+                        wgmma_m64n64k16(acc[0], a[0][s], act_descriptor + S::act_offset(0, block * 4 + 2 * s) / 16, 1u);
                     wgmma_commit();
                     wgmma_wait<1>();
                 } else {
@@ -1950,33 +1958,8 @@ MOE_INSTANTIATE_QA(true)
 # ===========================================================================
 # Kernel source: both stages over wide tiles (bf16, sm_90a, warp-specialised)
 # ===========================================================================
-def _wgmma_bf16_source(n: int) -> str:
-    """The m64n{n}k16 bf16 warpgroup MMA wrapper (n/2 accumulator registers,
-    too many to write out by hand), as wgmma_m64n64k16 but with `accumulate`
-    (0: d = a.b, the first MMA of a row tile, so that no accumulator is
-    zeroed between tiles)."""
-    regs = n // 2
-    outputs = ", ".join(f"%{i}" for i in range(regs))
-    constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
-    return f"""
-__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
-                                                 uint32_t b_descriptor, uint32_t accumulate) {{
-#ifdef MOE_HAS_WGMMA
-    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
-                 "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
-                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outputs}}}, "
-                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1, 0;\\n}}\\n"
-                 : {constraints}
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
-                   "r"(kWgmmaDescriptorHigh));
-#else
-    __trap();
-#endif
-}}
-"""
-
-
-STAGE2_WIDE_SOURCE = "namespace moe {\n" + "".join(_wgmma_bf16_source(n) for n in WIDE_TILE_TOKENS) + r"""
+STAGE2_WIDE_SOURCE = r"""
+namespace moe {
 // Stage 2 over wide tiles of kTokens tokens (the routing's second table),
 // for bf16 warpgroup-MMA calls with more than 28 tokens per expert: each
 // converted weight then feeds kTokens tokens of MMA work. One or two CTAs per
