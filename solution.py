@@ -2666,9 +2666,7 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
     allow_shared_memory(stage1, W::kSharedBytes);
     const int k_blocks = c.k_blocks1();
     const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
-        : splits_to_fill((long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count(),
-                         (long long)t.estimate * c.columns1(), (k_blocks + W::kStageBlocks - 1) / W::kStageBlocks),
-        W::kStageBlocks);
+        : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
     launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), (k_blocks + slices.blocks - 1) / slices.blocks),
         W::kThreads, W::kSharedBytes, c.stream,
         c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count,
