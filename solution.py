@@ -2615,15 +2615,22 @@ template <bool FP8>
 void launch_swiglu_quantize(const MoeCall& c, const Stage1Slices& slices) {
     if (!slices.partial.defined()) return;
     const int splits = (int)slices.partial.size(0);
+    const long long column_blocks = c.d_expert_pad / (kSwigluWarps * kScaleBlock);
     auto launch = [&](auto kernel, int rows_per_warp) {
         launch_after_previous(kernel,
-            dim3((c.num_pairs + rows_per_warp - 1) / rows_per_warp, c.d_expert_pad / (kSwigluWarps * kScaleBlock)),
+            dim3((c.num_pairs + rows_per_warp - 1) / rows_per_warp, (unsigned)column_blocks),
             kSwigluWarps * 32, 0, c.stream, slices.partial_ptr(), splits, c.num_pairs, c.expert_offsets,
             c.n_experts, c.d_expert, c.d_expert_pad, c.inter.bytes(), c.inter.scales());
     };
-    // Rows per warp: as many as leave each row's slices one pass of loads.
-    if (splits <= kSwigluLoads / 4) launch(swiglu_quantize_kernel<FP8, 4>, 4);
-    else if (splits <= kSwigluLoads / 2) launch(swiglu_quantize_kernel<FP8, 2>, 2);
+    // Rows per warp: as many as leave each row's slices one pass of loads,
+    // while the CTAs still fill every SM's eight CTA slots. With fewer CTAs
+    // a warp's rows run their SwiGLU and Qa one after another on a short
+    // critical path: 4 rows per warp took 1 us more at bs=16 E=257 (H200).
+    auto fills = [&](int rows_per_warp) {
+        return (c.num_pairs + rows_per_warp - 1) / rows_per_warp * column_blocks >= 8LL * sm_count();
+    };
+    if (splits <= kSwigluLoads / 4 && fills(4)) launch(swiglu_quantize_kernel<FP8, 4>, 4);
+    else if (splits <= kSwigluLoads / 2 && fills(2)) launch(swiglu_quantize_kernel<FP8, 2>, 2);
     else launch(swiglu_quantize_kernel<FP8, 1>, 1);
 }
 // Every expert's gate and up rows, in boxes of half a CTA's rows.
