@@ -1754,39 +1754,59 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     }
 }
 
-// The end of a K-split stage 1: warp (row, 8*blockIdx.y + warp) sums the
-// slices' (gate, up) pairs of one 32-column block in slice order (so the
-// result does not depend on timing), then SwiGLU and Qa as above.
-constexpr int kSwigluWarps = 8;
-template <bool kFp8>
+// The end of a K-split stage 1: warp (kRows rows from kRows*blockIdx.x,
+// block 8*blockIdx.y + warp) sums the slices' (gate, up) pairs of one
+// 32-column block for each of its rows in slice order (so the result does
+// not depend on timing), then SwiGLU and Qa as above. Each thread keeps
+// eight loads in flight: kRows rows times 8/kRows slices, so that few slices
+// give a warp more rows (one row per warp left 512 bytes in flight per warp
+// at two slices, and the kernel ran at half the read bandwidth: 20.6 us at
+// bs=512 E=33, H200) and many slices keep a row's slices in one round trip.
+// The loads need not wait for the routed-pair count: row addresses are
+// clamped to partial's last row and slice indices to the last slice, and
+// what those clamped loads bring is not added.
+constexpr int kSwigluWarps = 8, kSwigluLoads = 8;
+template <bool kFp8, int kRows>
 __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
         const float2* __restrict__ partial, int splits, int num_pairs, const int* __restrict__ expert_offsets,
         int n_experts, int d_expert, int d_expert_pad, uint8_t* __restrict__ inter, float* __restrict__ inter_scale) {
+    constexpr int kSlices = kSwigluLoads / kRows;
     wait_for_previous_kernel();
     let_next_kernel_launch();
-    const int row = blockIdx.x, lane = threadIdx.x & 31;
+    const int row0 = blockIdx.x * kRows, lane = threadIdx.x & 31;
     const int col = (blockIdx.y * kSwigluWarps + (threadIdx.x >> 5)) * kScaleBlock + lane;
-    if (row >= expert_offsets[n_experts] || col - lane >= d_expert) return;   // warp-uniform
-    // Four slices' loads in flight at a time (ptxas's own unrolling left two
-    // or three slices one round trip each), added in slice order.
-    const float2* slices = partial + (size_t)row * d_expert_pad + col;
+    if (col - lane >= d_expert) return;   // warp-uniform
     const size_t slice_stride = (size_t)num_pairs * d_expert_pad;
-    float2 sum = make_float2(0.0f, 0.0f);
-    for (int z0 = 0; z0 < splits; z0 += 4) {
-        float2 v[4];
+    const float2* rows[kRows];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (z0 + i < splits) v[i] = slices[(z0 + i) * slice_stride];
+    for (int r = 0; r < kRows; ++r)
+        rows[r] = partial + (size_t)min(row0 + r, num_pairs - 1) * d_expert_pad + col;
+    float2 sum[kRows];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (z0 + i < splits) {
-                sum.x += v[i].x;
-                sum.y += v[i].y;
-            }
+    for (int r = 0; r < kRows; ++r) sum[r] = make_float2(0.0f, 0.0f);
+    for (int z0 = 0; z0 < splits; z0 += kSlices) {
+        float2 v[kSlices][kRows];
+#pragma unroll
+        for (int i = 0; i < kSlices; ++i)
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) v[i][r] = rows[r][min(z0 + i, splits - 1) * slice_stride];
+#pragma unroll
+        for (int i = 0; i < kSlices; ++i)
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+                if (z0 + i < splits) {
+                    sum[r].x += v[i][r].x;
+                    sum[r].y += v[i][r].y;
+                }
     }
-    const size_t block_start = (size_t)row * d_expert_pad + col - lane;
-    quantize_block_warp<kFp8>(col < d_expert ? swiglu_bf16(sum.x, sum.y) : 0.0f, lane,
-                              inter + block_start * (kFp8 ? 1 : 2), inter_scale + block_start / kScaleBlock);
+    const int routed_rows = expert_offsets[n_experts];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        if (row0 + r >= routed_rows) break;   // warp-uniform
+        const size_t block_start = (size_t)(row0 + r) * d_expert_pad + col - lane;
+        quantize_block_warp<kFp8>(col < d_expert ? swiglu_bf16(sum[r].x, sum[r].y) : 0.0f, lane,
+                                  inter + block_start * (kFp8 ? 1 : 2), inter_scale + block_start / kScaleBlock);
+    }
 }
 
 }  // namespace moe
@@ -1946,11 +1966,16 @@ MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
     template __global__ void route_and_quantize_kernel<FP8>(const int*, const float*, int, int, int, int,  \
         int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int, uint8_t*,  \
         float*, float*);                                                                                   \
-    template __global__ void swiglu_quantize_kernel<FP8>(const float2*, int, int, const int*, int, int, int, \
-                                                         uint8_t*, float*);
+    MOE_INSTANTIATE_SWIGLU(FP8, 1)                                                                         \
+    MOE_INSTANTIATE_SWIGLU(FP8, 2)                                                                         \
+    MOE_INSTANTIATE_SWIGLU(FP8, 4)
+#define MOE_INSTANTIATE_SWIGLU(FP8, ROWS)                                                                  \
+    template __global__ void swiglu_quantize_kernel<FP8, ROWS>(const float2*, int, int, const int*, int, int, \
+                                                               int, uint8_t*, float*);
 MOE_INSTANTIATE_QA(false)
 MOE_INSTANTIATE_QA(true)
 #undef MOE_INSTANTIATE_QA
+#undef MOE_INSTANTIATE_SWIGLU
 
 }  // namespace moe
 """
@@ -2589,10 +2614,24 @@ Stage1Slices stage1_slices(const MoeCall& c, int splits, int stage_blocks) {
 template <bool FP8>
 void launch_swiglu_quantize(const MoeCall& c, const Stage1Slices& slices) {
     if (!slices.partial.defined()) return;
-    launch_after_previous(swiglu_quantize_kernel<FP8>,
-        dim3(c.num_pairs, c.d_expert_pad / (kSwigluWarps * kScaleBlock)), kSwigluWarps * 32, 0, c.stream,
-        slices.partial_ptr(), (int)slices.partial.size(0), c.num_pairs, c.expert_offsets, c.n_experts, c.d_expert,
-        c.d_expert_pad, c.inter.bytes(), c.inter.scales());
+    const int splits = (int)slices.partial.size(0);
+    const long long column_blocks = c.d_expert_pad / (kSwigluWarps * kScaleBlock);
+    auto launch = [&](auto kernel, int rows_per_warp) {
+        launch_after_previous(kernel,
+            dim3((c.num_pairs + rows_per_warp - 1) / rows_per_warp, (unsigned)column_blocks),
+            kSwigluWarps * 32, 0, c.stream, slices.partial_ptr(), splits, c.num_pairs, c.expert_offsets,
+            c.n_experts, c.d_expert, c.d_expert_pad, c.inter.bytes(), c.inter.scales());
+    };
+    // Rows per warp: as many as leave each row's slices one pass of loads,
+    // while the CTAs still fill every SM's eight CTA slots. With fewer CTAs
+    // a warp's rows run their SwiGLU and Qa one after another on a short
+    // critical path: 4 rows per warp took 1 us more at bs=16 E=257 (H200).
+    auto fills = [&](int rows_per_warp) {
+        return (c.num_pairs + rows_per_warp - 1) / rows_per_warp * column_blocks >= 8LL * sm_count();
+    };
+    if (splits <= kSwigluLoads / 4 && fills(4)) launch(swiglu_quantize_kernel<FP8, 4>, 4);
+    else if (splits <= kSwigluLoads / 2 && fills(2)) launch(swiglu_quantize_kernel<FP8, 2>, 2);
+    else launch(swiglu_quantize_kernel<FP8, 1>, 1);
 }
 // Every expert's gate and up rows, in boxes of half a CTA's rows.
 TensorMap gate_up_map(const MoeCall& c, int stage_blocks) {
