@@ -1515,13 +1515,15 @@ __device__ __forceinline__ bool gemm_mainloop(
 struct Tile {
     int expert, row_start, rows;
 };
+__device__ __forceinline__ Tile tile_at(int index, const int2* tiles, const int* expert_offsets, int tile_tokens) {
+    const int2 entry = tiles[index];
+    return Tile{entry.x, entry.y, min(tile_tokens, expert_offsets[entry.x + 1] - entry.y)};
+}
+// The CTA's tile (blockIdx.x), false past the routing's tile count.
 __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles,
                                           const int* expert_offsets, int tile_tokens) {
     if ((int)blockIdx.x >= *num_tiles) return false;
-    const int2 entry = tiles[blockIdx.x];
-    tile.expert = entry.x;
-    tile.row_start = entry.y;
-    tile.rows = min(tile_tokens, expert_offsets[entry.x + 1] - entry.y);
+    tile = tile_at(blockIdx.x, tiles, expert_offsets, tile_tokens);
     return true;
 }
 
@@ -2122,8 +2124,17 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     __shared__ uint64_t full[kRing], empty[kRing];
     wait_for_previous_kernel();
     let_next_kernel_launch();
-    Tile tile;
-    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kTokens)) return;
+    // The CTA's row tiles: row_tiles consecutive items of the list of every
+    // (tile, row tile) pair of the routing's actual tiles, tile-major, so
+    // that CTAs cross tile boundaries and every one streams as many row
+    // tiles (a CTA per tile and group of row tiles left a last wave of a
+    // few CTAs: 38 tiles x 7 groups = 266 CTAs on 132 SMs at bs=512 E=33).
+    const int grid_rows = (d_hidden + kRows - 1) / kRows;
+    const int first_item = blockIdx.x * row_tiles;
+    const int cta_tiles = min(row_tiles, *num_wide_tiles * grid_rows - first_item);
+    if (cta_tiles <= 0) return;
+    auto tile_of = [&](int i) { return tile_at((first_item + i) / grid_rows, wide_tiles, expert_offsets, kTokens); };
+    auto row_of = [&](int i) { return (first_item + i) % grid_rows * kRows; };
     // The stages at 1024 bytes (dynamic shared memory is 16-byte aligned),
     // by an offset from the array itself: through an integer cast the
     // compiler no longer knows the pointer is shared, and every access
@@ -2133,8 +2144,6 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     // The warp index through a shuffle: warp-uniform to ptxas, so that the
     // consumer warps' MMAs are not in a path it thinks divergent.
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
-    const int row0 = blockIdx.y * row_tiles * kRows;
-    const int cta_tiles = min(row_tiles, (d_hidden - row0 + kRows - 1) / kRows);   // at least 1 (the grid)
     const int k_blocks = (d_expert + kScaleBlock - 1) / kScaleBlock;
     const int tile_stages = (k_blocks + SB - 1) / SB;
     const int n_stages = tile_stages * cta_tiles;
@@ -2148,9 +2157,15 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 
     if (warp == W::kConsumerWarps) {   // the loads
         const int scale_len = d_expert_pad / kScaleBlock;
-        const uint8_t* scale = down_scale + ((size_t)tile.expert * d_hidden_pad + row0) * scale_len;
+        Tile tile;
+        int row = 0;
         for (int s = 0; s < n_stages; ++s) {
-            const int slot = s % kRing, row = s / tile_stages * kRows, first_block = s % tile_stages * SB;
+            const int slot = s % kRing, first_block = s % tile_stages * SB;
+            if (first_block == 0) {   // the next row tile
+                tile = tile_of(s / tile_stages);
+                row = row_of(s / tile_stages);
+            }
+            const uint8_t* scale = down_scale + ((size_t)tile.expert * d_hidden_pad + row) * scale_len;
             if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
             uint8_t* base = smem + slot * W::kStageBytes;
             if (lane == 0) {
@@ -2159,7 +2174,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
                 // zeros), computed and discarded.
                 mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + W::kActBytes);
                 tma_load_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
-                            tile.expert * d_hidden_pad + row0 + row, &full[slot]);
+                            tile.expert * d_hidden_pad + row, &full[slot]);
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,
@@ -2170,7 +2185,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 #pragma unroll
             for (int i = 0; i < kRows / 32; ++i) {
                 const int r = lane + 32 * i;
-                cp_async_small<4>(base + W::kScaleOffset + r * SB, scale + (size_t)(row + r) * scale_len + first_block,
+                cp_async_small<4>(base + W::kScaleOffset + r * SB, scale + (size_t)r * scale_len + first_block,
                                   valid_bytes);
             }
             cp_async_arrive(&full[slot]);
@@ -2200,8 +2215,8 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
             for (int i = 0; i < 4; ++i)
                 y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
         named_barrier_sync(1, W::kConsumerWarps * 32);
-        add_weighted_rows(y, tile, row0 + row_tile * kRows, d_hidden, sorted_tokens, sorted_weights, accumulator,
-                          d_hidden_pad, tid, W::kConsumerWarps * 32);
+        add_weighted_rows(y, tile_of(row_tile), row_of(row_tile), d_hidden, sorted_tokens, sorted_weights,
+                          accumulator, d_hidden_pad, tid, W::kConsumerWarps * 32);
         named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
     }
 }
@@ -2690,8 +2705,9 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
     launch_swiglu_quantize<false>(c, slices);
 }
 
-// Row tiles per CTA as stage2_row_tiles takes them (the CTA's shared memory
-// does not grow with them).
+// Row tiles per CTA: the routing's (tile, row tile) pairs the host expects,
+// over every CTA slot of the GPU, so that one wave streams them all; the grid
+// covers the most tiles the routing can give.
 template <int kTokens>
 void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
     using W = WideStage2<kTokens>;
@@ -2699,10 +2715,12 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage2 = stage2_wide_kernel<kTokens>;
     allow_shared_memory(stage2, W::kSharedBytes);
-    const int grid_rows = c.grid_rows();
-    const int row_tiles = std::min(grid_rows, c.requested_row_tiles > 0 ? c.requested_row_tiles
-        : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows));
-    launch_after_previous(stage2, dim3(t.max_tiles, (grid_rows + row_tiles - 1) / row_tiles),
+    const long long slots = (long long)ctas_per_sm(stage2, W::kThreads, W::kSharedBytes) * sm_count();
+    const long long expected_items = (long long)std::max(t.estimate, 1) * c.grid_rows();
+    const int row_tiles = c.requested_row_tiles > 0 ? c.requested_row_tiles
+                                                    : (int)((expected_items + slots - 1) / slots);
+    const long long max_items = (long long)t.max_tiles * c.grid_rows();
+    launch_after_previous(stage2, dim3((unsigned)((max_items + row_tiles - 1) / row_tiles)),
         W::kThreads, W::kSharedBytes, c.stream,
         c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count,
         c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(),
