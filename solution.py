@@ -511,6 +511,34 @@ GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(dict.fromkeys(
     f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, {(c.stage2_warp_rows or c.warp_rows) // 16})"
     for c in GEMM_CONFIGS)) + "\n"
 
+
+def _wgmma_bf16_source(n: int) -> str:
+    """The m64n{n}k16 bf16 warpgroup MMA wrapper (n/2 accumulator registers,
+    too many to write out by hand): d (+)= a.b, a from registers, b by
+    descriptor (see wgmma_descriptor_low); accumulate 0 gives d = a.b, the
+    first MMA of a wide row tile, so that no accumulator is zeroed between
+    tiles."""
+    regs = n // 2
+    outputs = ", ".join(f"%{i}" for i in range(regs))
+    constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+    return f"""
+__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
+                                                 uint32_t b_descriptor, uint32_t accumulate) {{
+#ifdef MOE_HAS_WGMMA
+    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
+                 "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outputs}}}, "
+                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1, 0;\\n}}\\n"
+                 : {constraints}
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
+                   "r"(kWgmmaDescriptorHigh));
+#else
+    __trap();
+#endif
+}}
+"""
+
+
 GEMM_SOURCE = r"""
 // Tensor maps for TMA copies (CUDA only: the bf16 warpgroup-MMA configs that
 // use them are sm_90-only; elsewhere an opaque stand-in of the same size).
@@ -531,6 +559,14 @@ struct alignas(64) TensorMap { unsigned char bytes[128]; };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return (uint32_t)__cvta_generic_to_shared(p);
+}
+// The first kAlignment-aligned byte of dynamic shared memory (16-byte
+// aligned), as an offset from the array itself: through an integer cast the
+// compiler no longer knows the pointer is shared, and every access became a
+// generic LD/ST with 64-bit address work (SASS, 2026-12-01).
+template <uint32_t kAlignment>
+__device__ __forceinline__ uint8_t* align_shared(uint8_t* smem) {
+    return smem + ((kAlignment - (smem_addr(smem) & (kAlignment - 1))) & (kAlignment - 1));
 }
 // 16 bytes global -> shared, bypassing L1, of which the first src_bytes (16
 // or 0) are read and the rest zero-filled.
@@ -626,27 +662,7 @@ __device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) {
     return smem_addr(p) >> 4 | 1u << 16;
 }
 constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;   // atom stride; 128-byte swizzle
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4], uint32_t b_descriptor) {
-#ifdef MOE_HAS_WGMMA
-    asm volatile("{\n.reg .pred accumulate;\n.reg .b64 b;\nsetp.ne.b32 accumulate, %37, 0;\n"
-                 "mov.b64 b, {%36, %38};\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "{%32, %33, %34, %35}, b, accumulate, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-                   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-                   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(1), "r"(kWgmmaDescriptorHigh));
-#else
-    __trap();
-#endif
-}
+""" + "".join(_wgmma_bf16_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) + r"""
 // d(64 x 8*N8) = a(64 x 32) . b(32 x 8*N8), e4m3 in, fp32 out; d's previous
 // contents are discarded (scale-d false): one scale block's fresh sum. a
 // from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows
@@ -970,7 +986,7 @@ struct GemmShape {
         return row_tiles > 1 ? pipeline + epilogue_bytes : (pipeline > epilogue_bytes ? pipeline : epilogue_bytes);
     }
     static __device__ __forceinline__ uint8_t* aligned_base(uint8_t* smem) {
-        return smem + ((kStageAlignment - (smem_addr(smem) & (kStageAlignment - 1))) & (kStageAlignment - 1));
+        return align_shared<kStageAlignment>(smem);
     }
     static __device__ __forceinline__ uint8_t* epilogue_buffer(uint8_t* smem, int k_blocks, int row_tiles, int ring) {
         return row_tiles > 1 ? aligned_base(smem) + kStageBytes * pipeline_slots(k_blocks, row_tiles, ring) : smem;
@@ -1259,7 +1275,7 @@ __device__ __forceinline__ bool gemm_mainloop(
                     wgmma_fence();
 #pragma unroll
                     for (int s = 0; s < 2; ++s)
-                        wgmma_m64n64k16(acc[0], a[0][s], act_descriptor + S::act_offset(0, block * 4 + 2 * s) / 16);
+                        wgmma_m64n64k16(acc[0], a[0][s], act_descriptor + S::act_offset(0, block * 4 + 2 * s) / 16, 1u);
                     wgmma_commit();
                     wgmma_wait<1>();
                 } else {
@@ -1944,33 +1960,8 @@ MOE_INSTANTIATE_QA(true)
 # ===========================================================================
 # Kernel source: both stages over wide tiles (bf16, sm_90a, warp-specialised)
 # ===========================================================================
-def _wgmma_bf16_source(n: int) -> str:
-    """The m64n{n}k16 bf16 warpgroup MMA wrapper (n/2 accumulator registers,
-    too many to write out by hand), as wgmma_m64n64k16 but with `accumulate`
-    (0: d = a.b, the first MMA of a row tile, so that no accumulator is
-    zeroed between tiles)."""
-    regs = n // 2
-    outputs = ", ".join(f"%{i}" for i in range(regs))
-    constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
-    return f"""
-__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
-                                                 uint32_t b_descriptor, uint32_t accumulate) {{
-#ifdef MOE_HAS_WGMMA
-    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
-                 "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
-                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outputs}}}, "
-                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1, 0;\\n}}\\n"
-                 : {constraints}
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
-                   "r"(kWgmmaDescriptorHigh));
-#else
-    __trap();
-#endif
-}}
-"""
-
-
-STAGE2_WIDE_SOURCE = "namespace moe {\n" + "".join(_wgmma_bf16_source(n) for n in WIDE_TILE_TOKENS) + r"""
+STAGE2_WIDE_SOURCE = r"""
+namespace moe {
 // Stage 2 over wide tiles of kTokens tokens (the routing's second table),
 // for bf16 warpgroup-MMA calls with more than 28 tokens per expert: each
 // converted weight then feeds kTokens tokens of MMA work. One or two CTAs per
@@ -2135,11 +2126,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     if (cta_tiles <= 0) return;
     auto tile_of = [&](int i) { return tile_at((first_item + i) / grid_rows, wide_tiles, expert_offsets, kTokens); };
     auto row_of = [&](int i) { return (first_item + i) % grid_rows * kRows; };
-    // The stages at 1024 bytes (dynamic shared memory is 16-byte aligned),
-    // by an offset from the array itself: through an integer cast the
-    // compiler no longer knows the pointer is shared, and every access
-    // became a generic LD/ST with 64-bit address work (SASS, 2026-12-01).
-    uint8_t* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);
+    uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     // The warp index through a shuffle: warp-uniform to ptxas, so that the
     // consumer warps' MMAs are not in a path it thinks divergent.
@@ -2246,7 +2233,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     let_next_kernel_launch();
     Tile tile;
     if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kTokens)) return;
-    uint8_t* smem = smem_base + ((1024u - (smem_addr(smem_base) & 1023u)) & 1023u);   // as stage2_wide_kernel
+    uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* h = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
     const int col0 = blockIdx.y * kStage1Columns;
@@ -2694,9 +2681,7 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
     allow_shared_memory(stage1, W::kSharedBytes);
     const int k_blocks = c.k_blocks1();
     const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
-        : splits_to_fill((long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count(),
-                         (long long)t.estimate * c.columns1(), (k_blocks + W::kStageBlocks - 1) / W::kStageBlocks),
-        W::kStageBlocks);
+        : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
     launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), (k_blocks + slices.blocks - 1) / slices.blocks),
         W::kThreads, W::kSharedBytes, c.stream,
         c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count,
