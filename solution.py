@@ -2107,7 +2107,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
         const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
         const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator,
         const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
     using W = WideStage2<kTokens>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
@@ -2115,14 +2115,16 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     __shared__ uint64_t full[kRing], empty[kRing];
     wait_for_previous_kernel();
     let_next_kernel_launch();
-    // The CTA's row tiles: row_tiles consecutive items of the list of every
-    // (tile, row tile) pair of the routing's actual tiles, tile-major, so
-    // that CTAs cross tile boundaries and every one streams as many row
-    // tiles (a CTA per tile and group of row tiles left a last wave of a
-    // few CTAs: 38 tiles x 7 groups = 266 CTAs on 132 SMs at bs=512 E=33).
+    // The CTA's row tiles: its even share (gridDim.x CTAs, items/gridDim.x
+    // each, rounded up or down) of the list of every (tile, row tile) pair
+    // of the routing's actual tiles, tile-major, so that CTAs cross tile
+    // boundaries and every one streams as many row tiles whatever the tile
+    // count (a CTA per tile and group of row tiles left a last wave of a few
+    // CTAs: 38 tiles x 7 groups = 266 CTAs on 132 SMs at bs=512 E=33).
     const int grid_rows = (d_hidden + kRows - 1) / kRows;
-    const int first_item = blockIdx.x * row_tiles;
-    const int cta_tiles = min(row_tiles, *num_wide_tiles * grid_rows - first_item);
+    const long long items = (long long)*num_wide_tiles * grid_rows;
+    const int first_item = (int)(blockIdx.x * items / gridDim.x);
+    const int cta_tiles = (int)((blockIdx.x + 1) * items / gridDim.x) - first_item;
     if (cta_tiles <= 0) return;
     auto tile_of = [&](int i) { return tile_at((first_item + i) / grid_rows, wide_tiles, expert_offsets, kTokens); };
     auto row_of = [&](int i) { return (first_item + i) % grid_rows * kRows; };
@@ -2362,7 +2364,7 @@ template __global__ void stage1_wide_kernel<144>(const uint8_t*, const uint8_t*,
     const int*, int, int, int, int, int, uint8_t*, float2*, int, const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE_WIDE_STAGE2(N)                                                                         \
     template __global__ void stage2_wide_kernel<N>(const uint8_t*, const int*, const float*, const int*,       \
-        const int2*, const int*, int, int, int, int, int, float*, const __grid_constant__ TensorMap,           \
+        const int2*, const int*, int, int, int, int, float*, const __grid_constant__ TensorMap,                \
         const __grid_constant__ TensorMap);
 MOE_INSTANTIATE_WIDE_STAGE2(64)
 MOE_INSTANTIATE_WIDE_STAGE2(144)
@@ -2690,9 +2692,9 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
     launch_swiglu_quantize<false>(c, slices);
 }
 
-// Row tiles per CTA: the routing's (tile, row tile) pairs the host expects,
-// over every CTA slot of the GPU, so that one wave streams them all; the grid
-// covers the most tiles the routing can give.
+// One CTA per CTA slot of the GPU, so that one wave streams every (tile, row
+// tile) pair; requested row tiles instead size the grid for that many per
+// CTA at the most tiles the routing can give.
 template <int kTokens>
 void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
     using W = WideStage2<kTokens>;
@@ -2700,15 +2702,13 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage2 = stage2_wide_kernel<kTokens>;
     allow_shared_memory(stage2, W::kSharedBytes);
-    const long long slots = (long long)ctas_per_sm(stage2, W::kThreads, W::kSharedBytes) * sm_count();
-    const long long expected_items = (long long)std::max(t.estimate, 1) * c.grid_rows();
-    const int row_tiles = c.requested_row_tiles > 0 ? c.requested_row_tiles
-                                                    : (int)((expected_items + slots - 1) / slots);
     const long long max_items = (long long)t.max_tiles * c.grid_rows();
-    launch_after_previous(stage2, dim3((unsigned)((max_items + row_tiles - 1) / row_tiles)),
-        W::kThreads, W::kSharedBytes, c.stream,
+    const long long ctas = c.requested_row_tiles > 0
+        ? (max_items + c.requested_row_tiles - 1) / c.requested_row_tiles
+        : std::min(max_items, (long long)ctas_per_sm(stage2, W::kThreads, W::kSharedBytes) * sm_count());
+    launch_after_previous(stage2, dim3((unsigned)ctas), W::kThreads, W::kSharedBytes, c.stream,
         c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count,
-        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(),
+        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(),
         down_map(c, W::kStageBlocks), inter_map(c, kTokens));
 }
 
