@@ -2692,9 +2692,14 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
     launch_swiglu_quantize<false>(c, slices);
 }
 
-// One CTA per CTA slot of the GPU, so that one wave streams every (tile, row
-// tile) pair; requested row tiles instead size the grid for that many per
-// CTA at the most tiles the routing can give.
+// The grid: at one CTA per SM (144 tokens), one CTA per SM, so that one wave
+// streams every (tile, row tile) pair (a tail wave leaves SMs idle: 266
+// CTAs of 8 row tiles on 132 SMs took 1.14x as long at bs=512 E=33 d2048);
+// at two per SM (64 tokens), several waves of CTAs of about
+// stage2_row_tiles' row tiles each at the tile count the host expects, which
+// cover each other's pipeline fill and drain (one wave took 1.05x as long
+// at bs=128 E=33). Requested row tiles size the grid that second way. Any
+// grid covers every pair the routing gives. (H200.)
 template <int kTokens>
 void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
     using W = WideStage2<kTokens>;
@@ -2702,10 +2707,12 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage2 = stage2_wide_kernel<kTokens>;
     allow_shared_memory(stage2, W::kSharedBytes);
-    const long long max_items = (long long)t.max_tiles * c.grid_rows();
-    const long long ctas = c.requested_row_tiles > 0
-        ? (max_items + c.requested_row_tiles - 1) / c.requested_row_tiles
-        : std::min(max_items, (long long)ctas_per_sm(stage2, W::kThreads, W::kSharedBytes) * sm_count());
+    const int per_sm = ctas_per_sm(stage2, W::kThreads, W::kSharedBytes), grid_rows = c.grid_rows();
+    const long long expected_items = (long long)std::max(t.estimate, 1) * grid_rows;
+    const int row_tiles = c.requested_row_tiles > 0 ? c.requested_row_tiles
+        : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows);
+    const long long ctas = per_sm == 1 && c.requested_row_tiles <= 0 ? sm_count()
+                                                                     : (expected_items + row_tiles - 1) / row_tiles;
     launch_after_previous(stage2, dim3((unsigned)ctas), W::kThreads, W::kSharedBytes, c.stream,
         c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count,
         c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(),
