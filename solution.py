@@ -2193,10 +2193,9 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     // stages, with the epilogue inside, made ptxas wait for every stage's
     // last MMAs, C7517).
     // The epilogues' tiles, looked up a row tile ahead: the table entry
-    // before the row tile's MMAs, its expert's end after its epilogue, each
-    // used an epilogue later (looked up in the epilogue, the two dependent
-    // loads sat on every row tile's critical path: 1.07x the stage-2 time
-    // at bs=128 E=33, two row tiles per CTA).
+    // before the row tile's MMAs, its expert's end after the previous
+    // epilogue, so that these two dependent loads are not on each row tile's
+    // critical path (stage 2 at bs=512 E=33 d2048: 316 us against 320).
     auto entry_of = [&](int i) { return wide_tiles[(first_item + i) / grid_rows]; };
     int2 entry = entry_of(0);
     int expert_end = expert_offsets[entry.x + 1];
@@ -2705,13 +2704,16 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
 }
 
 // The grid: at one CTA per SM (144 tokens), one CTA per SM, so that one wave
-// streams every (tile, row tile) pair (a tail wave leaves SMs idle: 266
-// CTAs of 8 row tiles on 132 SMs took 1.14x as long at bs=512 E=33 d2048);
-// at two per SM (64 tokens), several waves of CTAs of about
-// stage2_row_tiles' row tiles each at the tile count the host expects, which
-// cover each other's pipeline fill and drain (one wave took 1.05x as long
-// at bs=128 E=33). Requested row tiles size the grid that second way. Any
-// grid covers every pair the routing gives. (H200.)
+// streams every (tile, row tile) pair (the grid of a CTA per tile and group
+// of 8 row tiles was 266 CTAs on 132 SMs at bs=512 E=33, two waves and a
+// tail of two: its stage 2 took 368 us against this one's 316 at d2048);
+// at two per SM (64 tokens), CTAs of about stage2_row_tiles' row tiles at
+// the tile count the host expects, as that grid had. Requested row tiles
+// size the grid the second way. Any grid covers every pair the routing
+// gives. (H200.) At bs=128 E=33 this kernel's stage 2 takes 55 us against
+// the tile-per-CTA kernel's 52 whatever the grid (one wave of even shares,
+// this grid, and runs over the old grid's mapping all measured alike): not
+// yet explained.
 template <int kTokens>
 void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
     using W = WideStage2<kTokens>;
