@@ -1531,13 +1531,15 @@ __device__ __forceinline__ bool gemm_mainloop(
 struct Tile {
     int expert, row_start, rows;
 };
+__device__ __forceinline__ Tile tile_at(int index, const int2* tiles, const int* expert_offsets, int tile_tokens) {
+    const int2 entry = tiles[index];
+    return Tile{entry.x, entry.y, min(tile_tokens, expert_offsets[entry.x + 1] - entry.y)};
+}
+// The CTA's tile (blockIdx.x), false past the routing's tile count.
 __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles,
                                           const int* expert_offsets, int tile_tokens) {
     if ((int)blockIdx.x >= *num_tiles) return false;
-    const int2 entry = tiles[blockIdx.x];
-    tile.expert = entry.x;
-    tile.row_start = entry.y;
-    tile.rows = min(tile_tokens, expert_offsets[entry.x + 1] - entry.y);
+    tile = tile_at(blockIdx.x, tiles, expert_offsets, tile_tokens);
     return true;
 }
 
@@ -2130,7 +2132,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
         const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
         const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator,
         const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
     using W = WideStage2<kTokens>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
@@ -2138,15 +2140,24 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     __shared__ uint64_t full[kRing], empty[kRing];
     wait_for_previous_kernel();
     let_next_kernel_launch();
-    Tile tile;
-    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kTokens)) return;
+    // The CTA's row tiles: its even share (gridDim.x CTAs, items/gridDim.x
+    // each, rounded up or down) of the list of every (tile, row tile) pair
+    // of the routing's actual tiles, tile-major, so that CTAs cross tile
+    // boundaries and every one streams as many row tiles whatever the tile
+    // count (a CTA per tile and group of row tiles left a last wave of a few
+    // CTAs: 38 tiles x 7 groups = 266 CTAs on 132 SMs at bs=512 E=33).
+    const int grid_rows = (d_hidden + kRows - 1) / kRows;
+    const long long items = (long long)*num_wide_tiles * grid_rows;
+    const int first_item = (int)(blockIdx.x * items / gridDim.x);
+    const int cta_tiles = (int)((blockIdx.x + 1) * items / gridDim.x) - first_item;
+    if (cta_tiles <= 0) return;
+    auto tile_of = [&](int i) { return tile_at((first_item + i) / grid_rows, wide_tiles, expert_offsets, kTokens); };
+    auto row_of = [&](int i) { return (first_item + i) % grid_rows * kRows; };
     uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     // The warp index through a shuffle: warp-uniform to ptxas, so that the
     // consumer warps' MMAs are not in a path it thinks divergent.
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
-    const int row0 = blockIdx.y * row_tiles * kRows;
-    const int cta_tiles = min(row_tiles, (d_hidden - row0 + kRows - 1) / kRows);   // at least 1 (the grid)
     const int k_blocks = (d_expert + kScaleBlock - 1) / kScaleBlock;
     const int tile_stages = (k_blocks + SB - 1) / SB;
     const int n_stages = tile_stages * cta_tiles;
@@ -2160,9 +2171,15 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 
     if (warp == W::kConsumerWarps) {   // the loads
         const int scale_len = d_expert_pad / kScaleBlock;
-        const uint8_t* scale = down_scale + ((size_t)tile.expert * d_hidden_pad + row0) * scale_len;
+        Tile tile;
+        int row = 0;
         for (int s = 0; s < n_stages; ++s) {
-            const int slot = s % kRing, row = s / tile_stages * kRows, first_block = s % tile_stages * SB;
+            const int slot = s % kRing, first_block = s % tile_stages * SB;
+            if (first_block == 0) {   // the next row tile
+                tile = tile_of(s / tile_stages);
+                row = row_of(s / tile_stages);
+            }
+            const uint8_t* scale = down_scale + ((size_t)tile.expert * d_hidden_pad + row) * scale_len;
             if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
             uint8_t* base = smem + slot * W::kStageBytes;
             if (lane == 0) {
@@ -2171,7 +2188,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
                 // zeros), computed and discarded.
                 mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + W::kActBytes);
                 tma_load_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
-                            tile.expert * d_hidden_pad + row0 + row, &full[slot]);
+                            tile.expert * d_hidden_pad + row, &full[slot]);
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,
@@ -2182,7 +2199,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 #pragma unroll
             for (int i = 0; i < kRows / 32; ++i) {
                 const int r = lane + 32 * i;
-                cp_async_small<4>(base + W::kScaleOffset + r * SB, scale + (size_t)(row + r) * scale_len + first_block,
+                cp_async_small<4>(base + W::kScaleOffset + r * SB, scale + (size_t)r * scale_len + first_block,
                                   valid_bytes);
             }
             cp_async_arrive(&full[slot]);
@@ -2200,7 +2217,15 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     // Row tiles, each its stages and then its epilogue (one loop over all
     // stages, with the epilogue inside, made ptxas wait for every stage's
     // last MMAs, C7517).
+    // The epilogues' tiles, looked up a row tile ahead: the table entry
+    // before the row tile's MMAs, its expert's end after the previous
+    // epilogue, so that these two dependent loads are not on each row tile's
+    // critical path (stage 2 at bs=512 E=33 d2048: 316 us against 320).
+    auto entry_of = [&](int i) { return wide_tiles[(first_item + i) / grid_rows]; };
+    int2 entry = entry_of(0);
+    int expert_end = expert_offsets[entry.x + 1];
     for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
+        const int2 next_entry = entry_of(min(row_tile + 1, cta_tiles - 1));
         for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
             wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
                                       [](int r) { return r; });
@@ -2212,8 +2237,11 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
             for (int i = 0; i < 4; ++i)
                 y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
         named_barrier_sync(1, W::kConsumerWarps * 32);
-        add_weighted_rows(y, tile, row0 + row_tile * kRows, d_hidden, sorted_tokens, sorted_weights, accumulator,
-                          d_hidden_pad, tid, W::kConsumerWarps * 32);
+        add_weighted_rows(y, Tile{entry.x, entry.y, min(kTokens, expert_end - entry.y)}, row_of(row_tile),
+                          d_hidden, sorted_tokens, sorted_weights, accumulator, d_hidden_pad, tid,
+                          W::kConsumerWarps * 32);
+        entry = next_entry;
+        expert_end = expert_offsets[entry.x + 1];
         named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
     }
 }
@@ -2372,7 +2400,7 @@ template __global__ void stage1_wide_kernel<144>(const uint8_t*, const uint8_t*,
     const int*, int, int, int, int, int, uint8_t*, float2*, int, const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE_WIDE_STAGE2(N)                                                                         \
     template __global__ void stage2_wide_kernel<N>(const uint8_t*, const int*, const float*, const int*,       \
-        const int2*, const int*, int, int, int, int, int, float*, const __grid_constant__ TensorMap,           \
+        const int2*, const int*, int, int, int, int, float*, const __grid_constant__ TensorMap,                \
         const __grid_constant__ TensorMap);
 MOE_INSTANTIATE_WIDE_STAGE2(64)
 MOE_INSTANTIATE_WIDE_STAGE2(144)
@@ -2714,8 +2742,17 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
     launch_swiglu_quantize<false>(c, slices);
 }
 
-// Row tiles per CTA as stage2_row_tiles takes them (the CTA's shared memory
-// does not grow with them).
+// The grid: at one CTA per SM (144 tokens), one CTA per SM, so that one wave
+// streams every (tile, row tile) pair (the grid of a CTA per tile and group
+// of 8 row tiles was 266 CTAs on 132 SMs at bs=512 E=33, two waves and a
+// tail of two: its stage 2 took 368 us against this one's 316 at d2048);
+// at two per SM (64 tokens), CTAs of about stage2_row_tiles' row tiles at
+// the tile count the host expects, as that grid had. Requested row tiles
+// size the grid the second way. Any grid covers every pair the routing
+// gives. (H200.) At bs=128 E=33 this kernel's stage 2 takes 55 us against
+// the tile-per-CTA kernel's 52 whatever the grid (one wave of even shares,
+// this grid, and runs over the old grid's mapping all measured alike): not
+// yet explained.
 template <int kTokens>
 void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
     using W = WideStage2<kTokens>;
@@ -2723,13 +2760,15 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage2 = stage2_wide_kernel<kTokens>;
     allow_shared_memory(stage2, W::kSharedBytes);
-    const int grid_rows = c.grid_rows();
-    const int row_tiles = std::min(grid_rows, c.requested_row_tiles > 0 ? c.requested_row_tiles
-        : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows));
-    launch_after_previous(stage2, dim3(t.max_tiles, (grid_rows + row_tiles - 1) / row_tiles),
-        W::kThreads, W::kSharedBytes, c.stream,
+    const int per_sm = ctas_per_sm(stage2, W::kThreads, W::kSharedBytes), grid_rows = c.grid_rows();
+    const long long expected_items = (long long)std::max(t.estimate, 1) * grid_rows;
+    const int row_tiles = c.requested_row_tiles > 0 ? c.requested_row_tiles
+        : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows);
+    const long long ctas = per_sm == 1 && c.requested_row_tiles <= 0 ? sm_count()
+                                                                     : (expected_items + row_tiles - 1) / row_tiles;
+    launch_after_previous(stage2, dim3((unsigned)ctas), W::kThreads, W::kSharedBytes, c.stream,
         c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count,
-        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(),
+        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(),
         down_map(c, W::kStageBlocks), inter_map(c, kTokens));
 }
 
