@@ -1531,15 +1531,14 @@ __device__ __forceinline__ bool gemm_mainloop(
 struct Tile {
     int expert, row_start, rows;
 };
-__device__ __forceinline__ Tile tile_at(int index, const int2* tiles, const int* expert_offsets, int tile_tokens) {
-    const int2 entry = tiles[index];
-    return Tile{entry.x, entry.y, min(tile_tokens, expert_offsets[entry.x + 1] - entry.y)};
-}
 // The CTA's tile (blockIdx.x), false past the routing's tile count.
 __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles,
                                           const int* expert_offsets, int tile_tokens) {
     if ((int)blockIdx.x >= *num_tiles) return false;
-    tile = tile_at(blockIdx.x, tiles, expert_offsets, tile_tokens);
+    const int2 entry = tiles[blockIdx.x];
+    tile.expert = entry.x;
+    tile.row_start = entry.y;
+    tile.rows = min(tile_tokens, expert_offsets[entry.x + 1] - entry.y);
     return true;
 }
 
@@ -2151,7 +2150,8 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     const int first_item = (int)(blockIdx.x * items / gridDim.x);
     const int cta_tiles = (int)((blockIdx.x + 1) * items / gridDim.x) - first_item;
     if (cta_tiles <= 0) return;
-    auto tile_of = [&](int i) { return tile_at((first_item + i) / grid_rows, wide_tiles, expert_offsets, kTokens); };
+    // Row tile i's table entry (expert, first sorted row) and first output row.
+    auto entry_of = [&](int i) { return wide_tiles[(first_item + i) / grid_rows]; };
     auto row_of = [&](int i) { return (first_item + i) % grid_rows * kRows; };
     uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
@@ -2171,15 +2171,15 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 
     if (warp == W::kConsumerWarps) {   // the loads
         const int scale_len = d_expert_pad / kScaleBlock;
-        Tile tile;
+        int2 entry;
         int row = 0;
         for (int s = 0; s < n_stages; ++s) {
             const int slot = s % kRing, first_block = s % tile_stages * SB;
             if (first_block == 0) {   // the next row tile
-                tile = tile_of(s / tile_stages);
+                entry = entry_of(s / tile_stages);
                 row = row_of(s / tile_stages);
             }
-            const uint8_t* scale = down_scale + ((size_t)tile.expert * d_hidden_pad + row) * scale_len;
+            const uint8_t* scale = down_scale + ((size_t)entry.x * d_hidden_pad + row) * scale_len;
             if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
             uint8_t* base = smem + slot * W::kStageBytes;
             if (lane == 0) {
@@ -2188,11 +2188,11 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
                 // zeros), computed and discarded.
                 mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + W::kActBytes);
                 tma_load_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
-                            tile.expert * d_hidden_pad + row, &full[slot]);
+                            entry.x * d_hidden_pad + row, &full[slot]);
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,
-                                (first_block * kScaleBlock + h * 64) * 2, tile.row_start, &full[slot]);
+                                (first_block * kScaleBlock + h * 64) * 2, entry.y, &full[slot]);
             }
             // Rows lane + 32i: their four scale bytes, zero past k_blocks.
             const int valid_bytes = min(SB, k_blocks - first_block);
@@ -2214,16 +2214,15 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
-    // Row tiles, each its stages and then its epilogue (one loop over all
-    // stages, with the epilogue inside, made ptxas wait for every stage's
-    // last MMAs, C7517).
     // The epilogues' tiles, looked up a row tile ahead: the table entry
     // before the row tile's MMAs, its expert's end after the previous
     // epilogue, so that these two dependent loads are not on each row tile's
     // critical path (stage 2 at bs=512 E=33 d2048: 316 us against 320).
-    auto entry_of = [&](int i) { return wide_tiles[(first_item + i) / grid_rows]; };
     int2 entry = entry_of(0);
     int expert_end = expert_offsets[entry.x + 1];
+    // Row tiles, each its stages and then its epilogue (one loop over all
+    // stages, with the epilogue inside, made ptxas wait for every stage's
+    // last MMAs, C7517).
     for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
         const int2 next_entry = entry_of(min(row_tile + 1, cta_tiles - 1));
         for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
@@ -2760,12 +2759,13 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage2 = stage2_wide_kernel<kTokens>;
     allow_shared_memory(stage2, W::kSharedBytes);
-    const int per_sm = ctas_per_sm(stage2, W::kThreads, W::kSharedBytes), grid_rows = c.grid_rows();
-    const long long expected_items = (long long)std::max(t.estimate, 1) * grid_rows;
-    const int row_tiles = c.requested_row_tiles > 0 ? c.requested_row_tiles
-        : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows);
-    const long long ctas = per_sm == 1 && c.requested_row_tiles <= 0 ? sm_count()
-                                                                     : (expected_items + row_tiles - 1) / row_tiles;
+    long long ctas = sm_count();
+    if (ctas_per_sm(stage2, W::kThreads, W::kSharedBytes) > 1 || c.requested_row_tiles > 0) {
+        const int grid_rows = c.grid_rows();
+        const int row_tiles = c.requested_row_tiles > 0 ? c.requested_row_tiles
+            : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows);
+        ctas = ((long long)std::max(t.estimate, 1) * grid_rows + row_tiles - 1) / row_tiles;
+    }
     launch_after_previous(stage2, dim3((unsigned)ctas), W::kThreads, W::kSharedBytes, c.stream,
         c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count,
         c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(),
