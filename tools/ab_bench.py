@@ -95,7 +95,10 @@ def main() -> int:
                                                    for i in range(len(candidate_paths))), flush=True)
     from profile_kernels import kernel_times   # it imports this module
     ratios, all_ok, splits = [[] for _ in candidate_paths], True, []
-    for label, data in benchmark_inputs():
+    # AB_SHAPES="5 6": only those benchmark shapes (indices 0-6), for a
+    # change that touches only some of them.
+    shapes = [solution.BENCHMARK_SHAPES[int(i)] for i in os.environ.get("AB_SHAPES", "").split()]
+    for label, data in benchmark_inputs(shapes or None):
         times = [[] for _ in versions]
         for name, version, path in zip(names, versions, [base_path] + candidate_paths):
             if timing_only(path):

@@ -10,7 +10,8 @@
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
-#    process (tools/ab_bench.py; not part of "all");
+#    process (tools/ab_bench.py; not part of "all"; AB_SHAPES="5 6" times only those benchmark
+#    shapes, indices 0-6);
 #    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
 #    (indices 0-6, default "0 4 5"): throughputs, tensor/ALU/FMA pipes, shared-memory
 #    wavefronts and bank conflicts, issue, stall reasons; with
