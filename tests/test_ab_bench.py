@@ -26,3 +26,11 @@ def test_only_timing_files_skip_the_reference_check():
     assert ab_bench.timing_only(".ab/timing_no_atomics.py")
     assert not ab_bench.timing_only(".ab/candidate_timing.py")
     assert not ab_bench.timing_only("solution.py")
+
+
+def test_ab_shapes_picks_the_named_benchmark_shapes_in_order():
+    shapes = ab_bench.selected_shapes("6 5")
+    assert shapes == [ab_bench.solution.BENCHMARK_SHAPES[6], ab_bench.solution.BENCHMARK_SHAPES[5]]
+    assert ab_bench.selected_shapes("") is None and ab_bench.selected_shapes("  ") is None
+    with pytest.raises(IndexError):
+        ab_bench.selected_shapes("7")

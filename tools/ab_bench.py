@@ -52,6 +52,12 @@ def benchmark_inputs(shapes=None):
                                               solution.N_SHARED, bs, seed)
 
 
+def selected_shapes(indices: str):
+    """The benchmark shapes AB_SHAPES names ("5 6": indices 0-6), for a change
+    that touches only some of them; None (all) when it names none."""
+    return [solution.BENCHMARK_SHAPES[int(i)] for i in indices.split()] or None
+
+
 def stage_split(times: dict) -> tuple:
     """(stage 1, stage 2, everything else) us of one call's per-kernel us."""
     stage1 = sum(us for name, us in times.items() if "stage1_kernel" in name or "stage1_wide_kernel" in name)
@@ -95,10 +101,7 @@ def main() -> int:
                                                    for i in range(len(candidate_paths))), flush=True)
     from profile_kernels import kernel_times   # it imports this module
     ratios, all_ok, splits = [[] for _ in candidate_paths], True, []
-    # AB_SHAPES="5 6": only those benchmark shapes (indices 0-6), for a
-    # change that touches only some of them.
-    shapes = [solution.BENCHMARK_SHAPES[int(i)] for i in os.environ.get("AB_SHAPES", "").split()]
-    for label, data in benchmark_inputs(shapes or None):
+    for label, data in benchmark_inputs(selected_shapes(os.environ.get("AB_SHAPES", ""))):
         times = [[] for _ in versions]
         for name, version, path in zip(names, versions, [base_path] + candidate_paths):
             if timing_only(path):
