@@ -1,0 +1,80 @@
+"""Timing-only variants of solution.py: deliberately wrong versions that
+remove one piece of work, so that tools/ab_bench.py's A/B bounds what making
+that piece free could gain. Each variant is a set of exact text edits; a
+variant whose text no longer matches stops with an error instead of writing
+a file that silently times the unchanged kernels.
+
+    python tools/timing_variants.py --list
+    python tools/timing_variants.py [--source solution.py] [--out .ab] NAME[+NAME...] ...
+
+writes OUT/timing_NAME.py for each NAME ("a+b" applies both a's and b's
+edits), which ab_bench.py times unchecked (see its docstring):
+
+    python tools/timing_variants.py wide_no_act_copy wide_no_dequant wide_no_act_copy+wide_no_dequant
+    AB_SHAPES="5 6" OUT=$OUT tools/device_check.sh ab      (carry .ab)
+"""
+import os
+import sys
+
+# name: (what it removes, [(old, new), ...]); each old text must occur once.
+VARIANTS = {
+    "wide_no_act_copy": (
+        "stage1_wide_kernel's loaders copy no activations (the consumers read stale shared memory)",
+        [("            for (int j = 0; j < kPasses; ++j) {\n"
+          "                const bool valid = chunk_valid && src_row[j] >= 0;",
+          "            for (int j = 0; j < 0 * kPasses; ++j) {\n"
+          "                const bool valid = chunk_valid && src_row[j] >= 0;")]),
+    "wide_no_dequant": (
+        "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
+        "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
+        [("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);",
+          "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = w[2 * q + h] ^ scales[h];")]),
+    "plain_bf16_no_dequant": (
+        "the plain bf16 configs' warps give their MMAs the raw fp4 words (no conversion or scaling)",
+        [("                        bf16_fragment_half(a[mt], h, w[mt][2 * q + h], scales[mt][h][block / 4], "
+          "block % 4, kWide);",
+          "                        a[mt][0][h] = a[mt][0][2 + h] = a[mt][1][h] = a[mt][1][2 + h] =\n"
+          "                            w[mt][2 * q + h] ^ scales[mt][h][block / 4];")]),
+}
+
+
+def apply(source: str, name: str) -> str:
+    """source with the edits of every variant in name ("a+b")."""
+    for part in name.split("+"):
+        if part not in VARIANTS:
+            raise SystemExit(f"timing_variants: no variant {part!r} (--list shows them)")
+        for old, new in VARIANTS[part][1]:
+            count = source.count(old)
+            if count != 1:
+                raise SystemExit(f"timing_variants: {part}: its text occurs {count} times in the source, not once:\n{old}")
+            source = source.replace(old, new)
+    return source
+
+
+def main(argv):
+    if "--list" in argv:
+        for name, (what, _) in VARIANTS.items():
+            print(f"{name:24s} {what}")
+        return
+    source_path, out, names = "solution.py", ".ab", []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--source":
+            source_path = next(args)
+        elif arg == "--out":
+            out = next(args)
+        else:
+            names.append(arg)
+    if not names:
+        raise SystemExit(__doc__)
+    source = open(source_path).read()
+    os.makedirs(out, exist_ok=True)
+    for name in names:
+        path = os.path.join(out, f"timing_{name.replace('+', '_and_')}.py")
+        with open(path, "w") as f:
+            f.write(apply(source, name))
+        print(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
