@@ -1,8 +1,11 @@
 """Timing-only variants of solution.py: deliberately wrong versions that
 remove one piece of work, so that tools/ab_bench.py's A/B bounds what making
-that piece free could gain. Each variant is a set of exact text edits; a
-variant whose text no longer matches stops with an error instead of writing
-a file that silently times the unchanged kernels.
+that piece free could gain. Each variant is a set of exact text edits, each
+edit given as alternatives for the forms of the code it has met (a branch
+that rewrites the code adds its form, so that the same variant applies to
+the branch and to its base); an edit none of whose alternatives matches
+exactly once stops with an error instead of writing a file that silently
+times the unchanged kernels.
 
     python tools/timing_variants.py --list
     python tools/timing_variants.py [--source solution.py] [--out .ab] NAME[+NAME...] ...
@@ -16,25 +19,25 @@ edits), which ab_bench.py times unchecked (see its docstring):
 import os
 import sys
 
-# name: (what it removes, [(old, new), ...]); each old text must occur once.
+# name: (what it removes, [edit, ...]), an edit being alternatives (old, new), ...
 VARIANTS = {
     "wide_no_act_copy": (
         "stage1_wide_kernel's loaders copy no activations (the consumers read stale shared memory)",
-        [("            for (int j = 0; j < kPasses; ++j) {\n"
-          "                const bool valid = chunk_valid && src_row[j] >= 0;",
-          "            for (int j = 0; j < 0 * kPasses; ++j) {\n"
-          "                const bool valid = chunk_valid && src_row[j] >= 0;")]),
+        [(("            for (int j = 0; j < kPasses; ++j) {\n"
+           "                const bool valid = chunk_valid && src_row[j] >= 0;",
+           "            for (int j = 0; j < 0 * kPasses; ++j) {\n"
+           "                const bool valid = chunk_valid && src_row[j] >= 0;"),)]),
     "wide_no_dequant": (
         "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
-        [("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);",
-          "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = w[2 * q + h] ^ scales[h];")]),
+        [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);",
+           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = w[2 * q + h] ^ scales[h];"),)]),
     "plain_bf16_no_dequant": (
         "the plain bf16 configs' warps give their MMAs the raw fp4 words (no conversion or scaling)",
-        [("                        bf16_fragment_half(a[mt], h, w[mt][2 * q + h], scales[mt][h][block / 4], "
-          "block % 4, kWide);",
-          "                        a[mt][0][h] = a[mt][0][2 + h] = a[mt][1][h] = a[mt][1][2 + h] =\n"
-          "                            w[mt][2 * q + h] ^ scales[mt][h][block / 4];")]),
+        [(("                        bf16_fragment_half(a[mt], h, w[mt][2 * q + h], scales[mt][h][block / 4], "
+           "block % 4, kWide);",
+           "                        a[mt][0][h] = a[mt][0][2 + h] = a[mt][1][h] = a[mt][1][2 + h] =\n"
+           "                            w[mt][2 * q + h] ^ scales[mt][h][block / 4];"),)]),
 }
 
 
@@ -43,10 +46,12 @@ def apply(source: str, name: str) -> str:
     for part in name.split("+"):
         if part not in VARIANTS:
             raise SystemExit(f"timing_variants: no variant {part!r} (--list shows them)")
-        for old, new in VARIANTS[part][1]:
-            count = source.count(old)
-            if count != 1:
-                raise SystemExit(f"timing_variants: {part}: its text occurs {count} times in the source, not once:\n{old}")
+        for alternatives in VARIANTS[part][1]:
+            matching = [(old, new) for old, new in alternatives if source.count(old) == 1]
+            if len(matching) != 1:
+                raise SystemExit(f"timing_variants: {part}: {len(matching)} of an edit's {len(alternatives)} forms "
+                                 f"occur once in the source, not one; the first:\n{alternatives[0][0]}")
+            old, new = matching[0]
             source = source.replace(old, new)
     return source
 
