@@ -2292,15 +2292,28 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
         constexpr int kTokensPerPass = W::kProducerWarps * 32 / kChunks;
         constexpr int kPasses = kTokens / kTokensPerPass;
         static_assert(kTokens % kTokensPerPass == 0, "token passes");
+        static_assert(kTokensPerPass % 8 == 0 && kPasses <= 32, "a pass is whole swizzle atoms; a bit per pass");
         const int chunk = p % kChunks;
-        // This thread's tokens p / kChunks + kTokensPerPass * j: their act
-        // rows' byte offsets, or -1 past the tile's end (zero-filled).
-        long long src_row[kPasses];
+        // This thread's tokens p / kChunks + kTokensPerPass * j: where its
+        // chunk of their act rows starts at the unit's first K block (past
+        // the tile's end: act's first row, read as no bytes and zero-filled),
+        // and a bit per valid token. Only a uniform K offset is added per
+        // stage: recomputing each address from the row index and the 64-bit
+        // compare per copy took about 15 instructions per 16-byte copy, the
+        // loading warps executing 125 M of the call's 319 M warp
+        // instructions at bs=512 E=33 d2048 (ncu, H200).
+        const uint8_t* src[kPasses];
+        uint32_t valid_tokens = 0;
 #pragma unroll
         for (int j = 0; j < kPasses; ++j) {
             const int token = p / kChunks + kTokensPerPass * j;
-            src_row[j] = token < tile.rows ? (long long)sorted_tokens[tile.row_start + token] * d_hidden_pad * 2 : -1;
+            const bool valid = token < tile.rows;
+            src[j] = act + (valid ? (size_t)sorted_tokens[tile.row_start + token] * d_hidden_pad * 2 : 0)
+                     + (size_t)first_block * (kScaleBlock * 2) + chunk * 16;
+            valid_tokens |= (uint32_t)valid << j;
         }
+        // Pass j's destination: kTokensPerPass / 8 swizzle atoms (1024 bytes each) after pass j - 1's.
+        const int act_dst = W::kActOffset + W::act_offset(p / kChunks, chunk);
         // Local weight rows p, p + 32 * kProducerWarps, ...: their scales (stage1_kernel's weight_row_of).
         constexpr int kScaleRows = kRows / (W::kProducerWarps * 32);
         const uint8_t* scale_src[kScaleRows];
@@ -2324,15 +2337,12 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                                 (first_block + block0) * 16, tile.expert * expert_rows + col0 + i * d_expert_pad,
                                 &full[slot]);
             }
-            const bool chunk_valid = chunk / (kChunks / SB) < valid_blocks;
+            const uint32_t copied = chunk / (kChunks / SB) < valid_blocks ? valid_tokens : 0u;
+            const size_t k_offset = (size_t)block0 * (kScaleBlock * 2);
 #pragma unroll
-            for (int j = 0; j < kPasses; ++j) {
-                const bool valid = chunk_valid && src_row[j] >= 0;
-                cp_async_16(base + W::kActOffset + W::act_offset(p / kChunks + kTokensPerPass * j, chunk),
-                            valid ? act + src_row[j] + (size_t)(first_block + block0) * (kScaleBlock * 2) + chunk * 16
-                                  : act,
-                            valid ? 16 : 0);
-            }
+            for (int j = 0; j < kPasses; ++j)
+                cp_async_16(base + act_dst + j * (kTokensPerPass / 8 * 1024), src[j] + k_offset,
+                            (copied >> j & 1u) * 16);
 #pragma unroll
             for (int i = 0; i < kScaleRows; ++i)
                 cp_async_small<4>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB, scale_src[i] + block0,
