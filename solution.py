@@ -2245,22 +2245,28 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     }
 }
 
-// Stage 1 over wide tiles: CTA (wide tile, y, z) computes what
+// Stage 1 over wide tiles: work unit (wide tile, y, z) computes what
 // stage1_kernel's CTA (tile, y, z) does (intermediate columns [64y,
 // 64y+64), the z-th slice of K, SwiGLU and Qa or the slice's partial sums),
-// warp-specialised as stage2_wide_kernel. Warps 8-11 load: the gate and up
-// rows by TMA (two boxes, their rows interleaved 8 by 8 as stage1_kernel's
+// warp-specialised as stage2_wide_kernel. The CTAs are persistent: CTA b
+// takes units b, b + gridDim.x, ... (tile index fastest, then y, then z, the
+// order a grid of a CTA per unit would run in), so that the loaders fill the
+// next unit's stages while the consumers finish a unit's epilogue, and a
+// unit's start (tile lookup, copy addresses, the first copies' round trip)
+// is not on the consumers' path. Warps 8-11 load: the gate and up rows by
+// TMA (two boxes, their rows interleaved 8 by 8 as stage1_kernel's
 // weight_smem_row), the tile's tokens (rows of act through sorted_tokens)
 // and the weight scales by cp.async. A loading thread marks a stage full
 // once its copies have landed and it has fenced them for the tensor cores'
-// reads (the async proxy), so it arrives a stage late.
+// reads (the async proxy), so it arrives a stage late, but marks a unit's
+// last stage before it looks up the next unit.
 template <int kTokens>
 __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage1_wide_kernel(
         const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
-        uint8_t* __restrict__ inter, float2* __restrict__ partial, int num_pairs,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks, int columns,
+        int slices, uint8_t* __restrict__ inter, float2* __restrict__ partial, int num_pairs,
         const __grid_constant__ TensorMap weight_map) {
     using W = WideStage1<kTokens>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
@@ -2268,16 +2274,28 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     __shared__ uint64_t full[kRing], empty[kRing];
     wait_for_previous_kernel();
     let_next_kernel_launch();
-    Tile tile;
-    if (!load_tile(tile, wide_tiles, num_wide_tiles, expert_offsets, kTokens)) return;
+    const int num_tiles = *num_wide_tiles, units = num_tiles * columns * slices;
+    if ((int)blockIdx.x >= units) return;
     uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* h = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
-    const int col0 = blockIdx.y * kStage1Columns;
-    const int first_block = blockIdx.z * split_blocks;
-    const int k_blocks = min(split_blocks, (d_hidden + kScaleBlock - 1) / kScaleBlock - first_block);
-    const int n_stages = (k_blocks + SB - 1) / SB;
+    const int total_blocks = (d_hidden + kScaleBlock - 1) / kScaleBlock;
     const int expert_rows = 2 * d_expert_pad;
+    // Unit u: its tile, first intermediate column, first K block and K blocks.
+    struct Unit {
+        Tile tile;
+        int col0, first_block, k_blocks, n_stages;
+    };
+    auto unit_at = [&](int u) {
+        Unit unit;
+        const int2 entry = wide_tiles[u % num_tiles];
+        unit.tile = Tile{entry.x, entry.y, min(kTokens, expert_offsets[entry.x + 1] - entry.y)};
+        unit.col0 = u / num_tiles % columns * kStage1Columns;
+        unit.first_block = u / (num_tiles * columns) * split_blocks;
+        unit.k_blocks = min(split_blocks, total_blocks - unit.first_block);
+        unit.n_stages = (unit.k_blocks + SB - 1) / SB;
+        return unit;
+    };
     if (tid == 0)
         for (int j = 0; j < kRing; ++j) {
             mbarrier_init(&full[j], 1 + W::kProducerWarps * 32);   // the TMA thread's arrival and bytes, each loader's
@@ -2294,119 +2312,126 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
         static_assert(kTokens % kTokensPerPass == 0, "token passes");
         static_assert(kTokensPerPass % 8 == 0 && kPasses <= 32, "a pass is whole swizzle atoms; a bit per pass");
         const int chunk = p % kChunks;
-        // This thread's tokens p / kChunks + kTokensPerPass * j: where its
-        // chunk of their act rows starts at the unit's first K block (past
-        // the tile's end: act's first row, read as no bytes and zero-filled),
-        // and a bit per valid token. Only a uniform K offset is added per
-        // stage: recomputing each address from the row index and the 64-bit
-        // compare per copy took about 15 instructions per 16-byte copy, the
-        // loading warps executing 125 M of the call's 319 M warp
-        // instructions at bs=512 E=33 d2048 (ncu, H200).
-        const uint8_t* src[kPasses];
-        uint32_t valid_tokens = 0;
-#pragma unroll
-        for (int j = 0; j < kPasses; ++j) {
-            const int token = p / kChunks + kTokensPerPass * j;
-            const bool valid = token < tile.rows;
-            src[j] = act + (valid ? (size_t)sorted_tokens[tile.row_start + token] * d_hidden_pad * 2 : 0)
-                     + (size_t)first_block * (kScaleBlock * 2) + chunk * 16;
-            valid_tokens |= (uint32_t)valid << j;
-        }
         // Pass j's destination: kTokensPerPass / 8 swizzle atoms (1024 bytes each) after pass j - 1's.
         const int act_dst = W::kActOffset + W::act_offset(p / kChunks, chunk);
-        // Local weight rows p, p + 32 * kProducerWarps, ...: their scales (stage1_kernel's weight_row_of).
         constexpr int kScaleRows = kRows / (W::kProducerWarps * 32);
-        const uint8_t* scale_src[kScaleRows];
+        for (int u = blockIdx.x, s = 0; u < units; u += gridDim.x) {
+            const Unit unit = unit_at(u);
+            // This thread's tokens p / kChunks + kTokensPerPass * j: where
+            // its chunk of their act rows starts at the unit's first K block
+            // (past the tile's end: act's first row, read as no bytes and
+            // zero-filled), and a bit per valid token. Only a uniform K
+            // offset is added per stage: recomputing each address from the
+            // row index and the 64-bit compare per copy took about 15
+            // instructions per 16-byte copy, the loading warps executing 125
+            // M of the call's 319 M warp instructions at bs=512 E=33 d2048
+            // (ncu, H200).
+            const uint8_t* src[kPasses];
+            uint32_t valid_tokens = 0;
 #pragma unroll
-        for (int i = 0; i < kScaleRows; ++i) {
-            const int r = p + i * W::kProducerWarps * 32;
-            scale_src[i] = gate_up_scale
-                + ((size_t)tile.expert * expert_rows + ((r >> 3) & 1) * d_expert_pad + col0 + (r >> 4) * 8 + (r & 7))
-                  * (d_hidden_pad / kScaleBlock) + first_block;
-        }
-        for (int s = 0; s < n_stages; ++s) {
-            const int slot = s % kRing, block0 = s * SB, valid_blocks = k_blocks - block0;
-            if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
-            uint8_t* base = smem + slot * W::kStageBytes;
-            if (p == 0) {
-                // Whole boxes: past the GEMM's K the map reads zeros.
-                mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-                    tma_load_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map,
-                                (first_block + block0) * 16, tile.expert * expert_rows + col0 + i * d_expert_pad,
-                                &full[slot]);
+            for (int j = 0; j < kPasses; ++j) {
+                const int token = p / kChunks + kTokensPerPass * j;
+                const bool valid = token < unit.tile.rows;
+                src[j] = act + (valid ? (size_t)sorted_tokens[unit.tile.row_start + token] * d_hidden_pad * 2 : 0)
+                         + (size_t)unit.first_block * (kScaleBlock * 2) + chunk * 16;
+                valid_tokens |= (uint32_t)valid << j;
             }
-            const uint32_t copied = chunk / (kChunks / SB) < valid_blocks ? valid_tokens : 0u;
-            const size_t k_offset = (size_t)block0 * (kScaleBlock * 2);
+            // Local weight rows p, p + 32 * kProducerWarps, ...: their scales (stage1_kernel's weight_row_of).
+            const uint8_t* scale_src[kScaleRows];
 #pragma unroll
-            for (int j = 0; j < kPasses; ++j)
-                cp_async_16(base + act_dst + j * (kTokensPerPass / 8 * 1024), src[j] + k_offset,
-                            (copied >> j & 1u) * 16);
-#pragma unroll
-            for (int i = 0; i < kScaleRows; ++i)
-                cp_async_small<4>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB, scale_src[i] + block0,
-                                  min(SB, valid_blocks));
-            cp_async_commit();
-            if (s > 0) {   // the previous stage's copies have landed: fence them, mark that stage full
-                cp_async_wait<1>();
-                fence_async_shared();
-                mbarrier_arrive(&full[(s - 1) % kRing]);
+            for (int i = 0; i < kScaleRows; ++i) {
+                const int r = p + i * W::kProducerWarps * 32;
+                scale_src[i] = gate_up_scale
+                    + ((size_t)unit.tile.expert * expert_rows + ((r >> 3) & 1) * d_expert_pad + unit.col0
+                       + (r >> 4) * 8 + (r & 7)) * (d_hidden_pad / kScaleBlock) + unit.first_block;
             }
+            for (int stage = 0; stage < unit.n_stages; ++stage, ++s) {
+                const int slot = s % kRing, block0 = stage * SB, valid_blocks = unit.k_blocks - block0;
+                if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
+                uint8_t* base = smem + slot * W::kStageBytes;
+                if (p == 0) {
+                    // Whole boxes: past the GEMM's K the map reads zeros.
+                    mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        tma_load_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map,
+                                    (unit.first_block + block0) * 16,
+                                    unit.tile.expert * expert_rows + unit.col0 + i * d_expert_pad, &full[slot]);
+                }
+                const uint32_t copied = chunk / (kChunks / SB) < valid_blocks ? valid_tokens : 0u;
+                const size_t k_offset = (size_t)block0 * (kScaleBlock * 2);
+#pragma unroll
+                for (int j = 0; j < kPasses; ++j)
+                    cp_async_16(base + act_dst + j * (kTokensPerPass / 8 * 1024), src[j] + k_offset,
+                                (copied >> j & 1u) * 16);
+#pragma unroll
+                for (int i = 0; i < kScaleRows; ++i)
+                    cp_async_small<4>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB,
+                                      scale_src[i] + block0, min(SB, valid_blocks));
+                cp_async_commit();
+                if (stage > 0) {   // the previous stage's copies have landed: fence them, mark that stage full
+                    cp_async_wait<1>();
+                    fence_async_shared();
+                    mbarrier_arrive(&full[(s - 1) % kRing]);
+                }
+            }
+            cp_async_wait<0>();
+            fence_async_shared();
+            mbarrier_arrive(&full[(s - 1) % kRing]);
         }
-        cp_async_wait<0>();
-        fence_async_shared();
-        mbarrier_arrive(&full[(n_stages - 1) % kRing]);
         return;
     }
 
     // Warp w: local rows 16w..16w+15, the gate rows of intermediate columns
     // 8w..8w+7 (g) and their up rows (g+8).
-    const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
-    float acc[kTokens / 8][4];
+    const int g = lane >> 2, t = lane & 3, first_row = warp * 16, local_col = warp * 8 + g;
+    float acc[kTokens / 8][4];   // each unit's first MMA overwrites it (scale-d 0); zeroed for ptxas
 #pragma unroll
     for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
-    for (int s = 0; s < n_stages; ++s)
-        wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, s == 0, first_row, lane, [](int r) {
-            return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
-        });
-    wgmma_wait<0>();
-    const int local_col = warp * 8 + g;
-    if (gridDim.z > 1) {
-        float2* out = partial + (size_t)blockIdx.z * num_pairs * d_expert_pad;
+    for (int u = blockIdx.x, s = 0; u < units; u += gridDim.x) {
+        const Unit unit = unit_at(u);
+        for (int stage = 0; stage < unit.n_stages; ++stage, ++s)
+            wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane, [](int r) {
+                return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
+            });
+        wgmma_wait<0>();
+        if (slices > 1) {
+            float2* out = partial + (size_t)(unit.first_block / split_blocks) * num_pairs * d_expert_pad;
+#pragma unroll
+            for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int token = nt * 8 + 2 * t + j;
+                    if (token < unit.tile.rows)
+                        out[(size_t)(unit.tile.row_start + token) * d_expert_pad + unit.col0 + local_col] =
+                            make_float2(acc[nt][j], acc[nt][2 + j]);
+                }
+            continue;
+        }
+        // SwiGLU, then Qa per 32-column block through shared memory (as stage1_kernel).
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int token = nt * 8 + 2 * t + j;
-                if (token < tile.rows)
-                    out[(size_t)(tile.row_start + token) * d_expert_pad + col0 + local_col] =
-                        make_float2(acc[nt][j], acc[nt][2 + j]);
-            }
-        return;
-    }
-    // SwiGLU, then Qa per 32-column block through shared memory (as stage1_kernel).
-#pragma unroll
-    for (int nt = 0; nt < kTokens / 8; ++nt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-            h[(nt * 8 + 2 * t + j) * kStage1HStride + local_col] =
-                col0 + local_col < d_expert ? swiglu_bf16(acc[nt][j], acc[nt][2 + j]) : 0.0f;
-    named_barrier_sync(1, W::kConsumerWarps * 32);
-    for (int item = warp; item < tile.rows * 2; item += W::kConsumerWarps) {
-        const int token = item >> 1, block = item & 1;
-        const size_t row = tile.row_start + token, col = col0 + block * kScaleBlock;
-        quantize_block_warp<false>(h[token * kStage1HStride + block * 32 + lane], lane,
-                                   inter + (row * d_expert_pad + col) * 2, nullptr);
+            for (int j = 0; j < 2; ++j)
+                h[(nt * 8 + 2 * t + j) * kStage1HStride + local_col] =
+                    unit.col0 + local_col < d_expert ? swiglu_bf16(acc[nt][j], acc[nt][2 + j]) : 0.0f;
+        named_barrier_sync(1, W::kConsumerWarps * 32);
+        for (int item = warp; item < unit.tile.rows * 2; item += W::kConsumerWarps) {
+            const int token = item >> 1, block = item & 1;
+            const size_t row = unit.tile.row_start + token, col = unit.col0 + block * kScaleBlock;
+            quantize_block_warp<false>(h[token * kStage1HStride + block * 32 + lane], lane,
+                                       inter + (row * d_expert_pad + col) * 2, nullptr);
+        }
+        named_barrier_sync(1, W::kConsumerWarps * 32);   // h is free again
     }
 }
 
 // Explicit instantiations, as for the GEMM configs: stage 2 of both widths,
 // stage 1 of 144 tokens.
 template __global__ void stage1_wide_kernel<144>(const uint8_t*, const uint8_t*, const int*, const int*, const int2*,
-    const int*, int, int, int, int, int, uint8_t*, float2*, int, const __grid_constant__ TensorMap);
+    const int*, int, int, int, int, int, int, int, uint8_t*, float2*, int, const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE_WIDE_STAGE2(N)                                                                         \
     template __global__ void stage2_wide_kernel<N>(const uint8_t*, const int*, const float*, const int*,       \
         const int2*, const int*, int, int, int, int, float*, const __grid_constant__ TensorMap,                \
@@ -2743,11 +2768,15 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
     const int k_blocks = c.k_blocks1();
     const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
-    launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), (k_blocks + slices.blocks - 1) / slices.blocks),
+    const int n_slices = (k_blocks + slices.blocks - 1) / slices.blocks;
+    // Persistent CTAs: every CTA slot, or fewer if the most units the routing can give are fewer.
+    const long long units = (long long)t.max_tiles * c.columns1() * n_slices;
+    const long long slots = (long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count();
+    launch_after_previous(stage1, dim3((unsigned)std::max(1LL, std::min(units, slots))),
         W::kThreads, W::kSharedBytes, c.stream,
         c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count,
-        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.inter.bytes(), slices.partial_ptr(),
-        c.num_pairs, gate_up_map(c, W::kStageBlocks));
+        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.columns1(), n_slices,
+        c.inter.bytes(), slices.partial_ptr(), c.num_pairs, gate_up_map(c, W::kStageBlocks));
     launch_swiglu_quantize<false>(c, slices);
 }
 

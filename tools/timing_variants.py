@@ -26,12 +26,24 @@ VARIANTS = {
         [(("            for (int j = 0; j < kPasses; ++j)\n"
            "                cp_async_16(base + act_dst",
            "            for (int j = 0; j < 0 * kPasses; ++j)\n"
-           "                cp_async_16(base + act_dst"),)]),
+           "                cp_async_16(base + act_dst"),
+          ("                for (int j = 0; j < kPasses; ++j)\n"
+           "                    cp_async_16(base + act_dst",
+           "                for (int j = 0; j < 0 * kPasses; ++j)\n"
+           "                    cp_async_16(base + act_dst"))]),
     "wide_no_dequant": (
         "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
         [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);",
            "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = w[2 * q + h] ^ scales[h];"),)]),
+    "no_qa": (
+        "the first kernel's Qa CTAs return at once (stale activations, an accumulator not zeroed): "
+        "its time is then the routing CTA's",
+        [(("    quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, "
+           "blockIdx.x - 1,",
+           "    if (d_hidden > 0) return;\n"
+           "    quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, "
+           "blockIdx.x - 1,"),)]),
     "plain_bf16_no_dequant": (
         "the plain bf16 configs' warps give their MMAs the raw fp4 words (no conversion or scaling)",
         [(("                        bf16_fragment_half(a[mt], h, w[mt][2 * q + h], scales[mt][h][block / 4], "
