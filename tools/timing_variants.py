@@ -23,14 +23,10 @@ import sys
 VARIANTS = {
     "wide_no_act_copy": (
         "stage1_wide_kernel's loaders copy no activations (the consumers read stale shared memory)",
-        [(("            for (int j = 0; j < kPasses; ++j)\n"
-           "                cp_async_16(base + act_dst",
-           "            for (int j = 0; j < 0 * kPasses; ++j)\n"
-           "                cp_async_16(base + act_dst"),
-          ("                for (int j = 0; j < kPasses; ++j)\n"
+        [(("                for (int j = 0; j < kPasses; ++j)\n"
            "                    cp_async_16(base + act_dst",
            "                for (int j = 0; j < 0 * kPasses; ++j)\n"
-           "                    cp_async_16(base + act_dst"))]),
+           "                    cp_async_16(base + act_dst"),)]),
     "wide_no_dequant": (
         "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
