@@ -16,8 +16,9 @@
 #    (indices 0-6, default "0 4 5"): throughputs, tensor/ALU/FMA pipes, shared-memory
 #    wavefronts and bank conflicts, issue, stall reasons; with
 #    NCU_BASE=FILE (e.g. .ab/base.py, carried) the same counters of that solution.py follow;
-#    stalls = ncu's warp-stall samples per SASS instruction of stage 1 on the first
-#    shape in $NCU_SHAPES, as $OUT/stalls.csv (neither is part of "all");
+#    stalls = ncu's warp-stall samples per SASS instruction of stage 1 (or of the
+#    kernels matching the regex $STALLS_KERNEL) on the first shape in $NCU_SHAPES,
+#    as $OUT/stalls.csv (neither is part of "all");
 #    robust = multibuild + sanitize: four processes building at once on an empty cache
 #    (multibuild, about 80 s), then compute-sanitizer memcheck and racecheck over the
 #    official test shapes and the benchmark shapes in $SANITIZE_SHAPES (sanitize; indices
@@ -152,8 +153,9 @@ if asked ncu; then   # not part of "all": about a minute per shape and version
 fi
 if asked stalls; then
   shape=$(echo ${NCU_SHAPES:-5} | cut -d' ' -f1)
-  step "ncu source counters, stage 1 (narrow or wide) of benchmark shape $shape"
-  ncu_python ncu --clock-control none -k regex:"stage1_(wide_)?kernel" -s 1 -c 1 --section SourceCounters --section WarpStateStats \
+  kernel=${STALLS_KERNEL:-stage1_(wide_)?kernel}
+  step "ncu source counters, $kernel of benchmark shape $shape"
+  ncu_python ncu --clock-control none -k regex:"$kernel" -s 1 -c 1 --section SourceCounters --section WarpStateStats \
     -f -o "$OUT/stalls" "$python_binary" tools/profile_kernels.py --once "$shape" >"$OUT/stalls.log" 2>&1 || status=1
   ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass >"$OUT/stalls.csv" 2>>"$OUT/stalls.log" || status=1
   rm -f "$OUT/stalls.ncu-rep"

@@ -40,6 +40,11 @@ VARIANTS = {
            "    if (d_hidden > 0) return;\n"
            "    quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, "
            "blockIdx.x - 1,"),)]),
+    "routing_only": (
+        "the first kernel launched as its routing CTA alone (no Qa CTAs at all: stale activations, "
+        "an accumulator not zeroed); against no_qa, what launching the Qa grid costs",
+        [(("route_and_quantize<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns),",
+           "route_and_quantize<<<dim3(1, 1),"),)]),
     "plain_bf16_no_dequant": (
         "the plain bf16 configs' warps give their MMAs the raw fp4 words (no conversion or scaling)",
         [(("                        bf16_fragment_half(a[mt], h, w[mt][2 * q + h], scales[mt][h][block / 4], "
