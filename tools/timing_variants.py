@@ -45,6 +45,11 @@ VARIANTS = {
         "an accumulator not zeroed); against no_qa, what launching the Qa grid costs",
         [(("route_and_quantize<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns),",
            "route_and_quantize<<<dim3(1, 1),"),)]),
+    "plain_no_act_copy": (
+        "gemm_mainloop copies no activations by cp.async (the plain and e4m3 configs' stage 1, and their "
+        "stage 2 where it does not load them by TMA; the consumers read stale shared memory)",
+        [(("                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {",
+           "                if (false && (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies)) {"),)]),
     "plain_bf16_no_dequant": (
         "the plain bf16 configs' warps give their MMAs the raw fp4 words (no conversion or scaling)",
         [(("                        bf16_fragment_half(a[mt], h, w[mt][2 * q + h], scales[mt][h][block / 4], "
