@@ -32,6 +32,15 @@ VARIANTS = {
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
         [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);",
            "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = w[2 * q + h] ^ scales[h];"),)]),
+    "wide_s2_no_act_copy": (
+        "stage2_wide_kernel loads no activations (its TMA boxes of the tile's rows; the consumers read stale "
+        "shared memory): what re-reading a tile's intermediate rows from L2 for every row tile costs",
+        [(("mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + W::kActBytes);",
+           "mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);"),),
+         (("                for (int h = 0; h < 2; ++h)\n"
+           "                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,",
+           "                for (int h = 0; h < 0; ++h)\n"
+           "                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,"),)]),
     "no_qa": (
         "the first kernel's Qa CTAs return at once (stale activations, an accumulator not zeroed): "
         "its time is then the routing CTA's",
