@@ -1531,14 +1531,16 @@ __device__ __forceinline__ bool gemm_mainloop(
 struct Tile {
     int expert, row_start, rows;
 };
+// Tile i of a routing table of tiles of tile_tokens rows.
+__device__ __forceinline__ Tile tile_at(const int2* tiles, int i, const int* expert_offsets, int tile_tokens) {
+    const int2 entry = tiles[i];
+    return Tile{entry.x, entry.y, min(tile_tokens, expert_offsets[entry.x + 1] - entry.y)};
+}
 // The CTA's tile (blockIdx.x), false past the routing's tile count.
 __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles,
                                           const int* expert_offsets, int tile_tokens) {
     if ((int)blockIdx.x >= *num_tiles) return false;
-    const int2 entry = tiles[blockIdx.x];
-    tile.expert = entry.x;
-    tile.row_start = entry.y;
-    tile.rows = min(tile_tokens, expert_offsets[entry.x + 1] - entry.y);
+    tile = tile_at(tiles, blockIdx.x, expert_offsets, tile_tokens);
     return true;
 }
 
@@ -2288,8 +2290,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     };
     auto unit_at = [&](int u) {
         Unit unit;
-        const int2 entry = wide_tiles[u % num_tiles];
-        unit.tile = Tile{entry.x, entry.y, min(kTokens, expert_offsets[entry.x + 1] - entry.y)};
+        unit.tile = tile_at(wide_tiles, u % num_tiles, expert_offsets, kTokens);
         unit.col0 = u / num_tiles % columns * kStage1Columns;
         unit.first_block = u / (num_tiles * columns) * split_blocks;
         unit.k_blocks = min(split_blocks, total_blocks - unit.first_block);
