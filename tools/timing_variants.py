@@ -19,6 +19,62 @@ edits), which ab_bench.py times unchecked (see its docstring):
 import os
 import sys
 
+
+def _e4m3_wide_source() -> str:
+    """wgmma_e4m3_wide<kTokens>: the m64n{64,144}k32 e4m3 warpgroup MMA with
+    an accumulate flag (wide_e4m3_mma's MMAs), as solution.py's
+    _wgmma_bf16_source writes the bf16 ones."""
+    text = ""
+    for n in (64, 144):
+        regs = n // 2
+        outputs = ", ".join(f"%{i}" for i in range(regs))
+        constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+        text += f"""
+__device__ __forceinline__ void wgmma_e4m3_m64n{n}k32(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
+                                                     uint32_t b_descriptor, uint32_t accumulate) {{
+#ifdef MOE_HAS_WGMMA
+    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
+                 "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outputs}}}, "
+                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1;\\n}}\\n"
+                 : {constraints}
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
+                   "r"(kWgmmaDescriptorHigh));
+#endif
+}}
+"""
+    return text + """template <int kTokens>
+__device__ __forceinline__ void wgmma_e4m3_wide(float (&d)[kTokens / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
+                                                uint32_t accumulate) {
+    if constexpr (kTokens == 144) wgmma_e4m3_m64n144k32(d, a, b_descriptor, accumulate);
+    else wgmma_e4m3_m64n64k32(d, a, b_descriptor, accumulate);
+}
+"""
+
+
+# A folded e4m3 A fragment as its real form would build it: per row and
+# block, a magnitude table (e2m1 code -> e4m3 byte, the block's exponent
+# shift added: two IMADs), then per four values a PRMT of the magnitudes and
+# the sign bits spread to bit 7 of each byte (PRMT, SHF, LOP3s). The shift
+# here is noise from the scale byte: the values are wrong, the instructions
+# are what folding would cost.
+_E4M3_FOLDED_BLOCK = (
+    "                for (int h = 0; h < 2; ++h) {\n"
+    "                    const uint32_t shift = (scales[h] >> (8 * block) & 7u) * 0x08080808u;\n"
+    "                    const uint32_t lut_lo = 0x3C383000u + (shift & 0xFFFFFF00u), lut_hi = 0x58504840u + shift;\n"
+    "                    const uint32_t word = w[2 * q + h];\n"
+    "#pragma unroll\n"
+    "                    for (int half = 0; half < 2; ++half) {\n"
+    "                        const uint32_t codes = word >> (16 * half);\n"
+    "                        const uint32_t magnitudes = __byte_perm(lut_lo, lut_hi, codes & 0x7777u);\n"
+    "                        const uint32_t spread = __byte_perm(codes, 0u, 0x1100u);\n"
+    "                        a[0][2 * half + h] = magnitudes | (spread & 0x80008000u) | (spread << 4 & 0x00800080u);\n"
+    "                    }\n"
+    "                }\n"
+    "                wgmma_fence();\n"
+    "                wgmma_e4m3_wide<kTokens>(acc, a[0], act_descriptor + W::act_offset(0, block * 4) / 16,\n"
+    "                                         !first_of_tile || block > 0);\n")
+
 # name: (what it removes, [edit, ...]), an edit being alternatives (old, new), ...
 VARIANTS = {
     "wide_no_act_copy": (
@@ -26,6 +82,13 @@ VARIANTS = {
         [(("                for (int j = 0; j < kPasses; ++j)\n"
            "                    cp_async_16(base + act_dst",
            "                for (int j = 0; j < 0 * kPasses; ++j)\n"
+           "                    cp_async_16(base + act_dst"),)]),
+    "wide_half_act_copy": (
+        "stage1_wide_kernel's loaders copy the activations of half the tile's tokens (the others read stale "
+        "shared memory): the copy instructions and L2 bytes of one-byte (e4m3) activations",
+        [(("                for (int j = 0; j < kPasses; ++j)\n"
+           "                    cp_async_16(base + act_dst",
+           "                for (int j = 0; j < kPasses / 2; ++j)\n"
            "                    cp_async_16(base + act_dst"),)]),
     "wide_no_dequant": (
         "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
@@ -65,6 +128,20 @@ VARIANTS = {
            "block % 4, kWide);",
            "                        a[mt][0][h] = a[mt][0][2 + h] = a[mt][1][h] = a[mt][1][2 + h] =\n"
            "                            w[mt][2 * q + h] ^ scales[mt][h][block / 4];"),)]),
+    "wide_e4m3_mma": (
+        "both wide kernels take one e4m3 m64nNk32 MMA per scale block instead of two bf16 k16 ones, on A "
+        "fragments built as folded e4m3 would be (a magnitude table per row and block, signs spread), B the "
+        "same activation bytes (wrong values): what e4m3 MMAs on folded operands could give the wide tiles "
+        "before their activations shrink to one byte",
+        [(("    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n",
+           "    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n" + _e4m3_wide_source()),),
+         (("                for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);\n"
+           "                wgmma_fence();\n"
+           "#pragma unroll\n"
+           "                for (int step = 0; step < 2; ++step)\n"
+           "                    wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,\n"
+           "                                       !first_of_tile || block > 0 || step > 0);\n",
+           _E4M3_FOLDED_BLOCK),)]),
 }
 
 
