@@ -505,6 +505,7 @@ def test_custom_op_under_torch_compile_on_cuda():
 # ---------------------------------------------------------------------------
 HELPER_DRIVER = r"""
 #include <stdio.h>
+#include <stdlib.h>
 int main() {
     char kind[32];
     unsigned int x;
@@ -531,6 +532,14 @@ int main() {
         else if (!strcmp(kind, "fp8position")) out = moe::fp8_act_position((int)x);
         else if (!strcmp(kind, "above242")) out = moe::any_scale_above(x, moe::kFp8NarrowScale);
         else if (!strcmp(kind, "qa")) out = moe::float_to_bits(moe::exact_pow2(moe::qa_exponent(f)));
+        else if (!strcmp(kind, "shifted")) out = moe::e2m1_to_e4m3_shifted(x & 15u, (int)(x >> 4) - 8);
+        else if (!strcmp(kind, "foldposition")) out = moe::folded_act_position((int)x);
+        else if (!strncmp(kind, "foldx", 5) || !strncmp(kind, "foldy", 5)) {
+            uint32_t lo, hi;
+            moe::folded_e4m3_table(atoi(kind + 5), lo, hi);
+            const uint2 bytes = moe::fp4_word_to_folded_e4m3(x, lo, hi);
+            out = kind[4] == 'x' ? bytes.x : bytes.y;
+        }
         printf("%08x\n", out);
     }
     return 0;
@@ -629,6 +638,40 @@ def test_e2m1_code_matches_the_reference(helpers):
 def test_e2m1_values_match_the_reference(helpers):
     got = torch.tensor(helpers("value", range(16)), dtype=torch.int64).to(torch.int32).view(torch.float32)
     assert torch.equal(got, reference.e2m1_decode(torch.arange(16)).float())
+
+
+def e4m3_bytes(values):
+    return torch.tensor(values, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+
+
+def test_shifted_e4m3_is_the_exact_folded_value(helpers):
+    """Every E2M1 code times 2^d, over the fold's whole range of d, is the
+    E4M3 byte torch rounds that value to: exact, subnormals included."""
+    queries = [code | (d + 8) << 4 for d in range(-8, 7) for code in range(16)]
+    values = [v * 2.0 ** d for d in range(-8, 7) for v in reference.e2m1_decode(torch.arange(16)).tolist()]
+    assert all(torch.tensor(values).to(torch.float8_e4m3fn).float() == torch.tensor(values))
+    assert helpers("shifted", queries) == e4m3_bytes(values)
+
+
+def test_folded_words_follow_the_table_and_the_fragment_order(helpers):
+    """fp4_word_to_folded_e4m3 through folded_e4m3_table's table gives each
+    of a word's eight codes as e2m1_to_e4m3_shifted does (values 0-3 in .x,
+    4-7 in .y), for every shift the table covers; folded_act_position puts
+    a block's activations at the k those bytes take."""
+    words = [0, 0xFFFFFFFF, 0x88888888, 0x01234567, 0x89ABCDEF]
+    words += torch.randint(0, 2 ** 32, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    for d in range(-5, 7):
+        for half, kind in ((0, f"foldx{d}"), (1, f"foldy{d}")):
+            got = helpers(kind, words)
+            for word, out in zip(words, got):
+                codes = [(word >> (4 * (4 * half + i))) & 15 for i in range(4)]
+                expected = e4m3_bytes([v * 2.0 ** d for v in reference.e2m1_decode(torch.tensor(codes)).tolist()])
+                assert [(out >> (8 * i)) & 0xFF for i in range(4)] == expected, (hex(word), d, half)
+    positions = helpers("foldposition", range(32))
+    assert sorted(positions) == list(range(32))
+    for t in range(4):
+        for j in range(4):
+            assert positions[8 * t + j] == 4 * t + j and positions[8 * t + 4 + j] == 16 + 4 * t + j
 
 
 def test_fp4_pairs_are_bf16_values_times_2_pow_minus_126(helpers):
