@@ -1659,6 +1659,22 @@ __device__ __forceinline__ void load_hidden_eighth(const __nv_bfloat16* __restri
     }
 }
 
+// Qa's dequantised bf16 values of columns k..k+7 of a token (a quarter of a
+// block of exponent e) into act's rows of d_hidden_pad values: values 8q+i
+// and 8q+i+4 of the block (q = the quarter) are neighbours in act_position
+// order, at 8i + 2q: one 4-byte store per pair.
+__device__ __forceinline__ void store_qa_bf16(uint8_t* __restrict__ act, int d_hidden_pad, int token, int k,
+                                              const float (&v)[8], int e, bool has_nan) {
+    const int quad = (k / 8) & 3;
+    __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(act) + (size_t)token * d_hidden_pad + (k - quad * 8);
+    const float nan = __int_as_float(0x7FC00000);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<__nv_bfloat162*>(dst + act_position(8 * quad + i)) =
+            has_nan ? __floats2bfloat162_rn(nan, nan)
+                    : __floats2bfloat162_rn(qa_value(v[i], e), qa_value(v[i + 4], e));
+}
+
 // Qa of the hidden states into the GEMMs' activation format (bf16 values, or
 // kFp8: E4M3 codes and fp32 block scales), and zeroing of the fp32
 // accumulator that stage 2 adds into: columns k..k+7 of one token, by one
@@ -1689,15 +1705,7 @@ __device__ __forceinline__ void quantize_hidden_columns(
         *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = odd;
         if (quad == 0) act_scale[(size_t)token * (d_hidden_pad / kScaleBlock) + k / kScaleBlock] = exact_pow2(e);
     } else {
-        // Values 8q+i and 8q+i+4 of the block (q = quad) are neighbours in
-        // act_position order, at 8i + 2q: one 4-byte store per pair.
-        __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(act) + (size_t)token * d_hidden_pad + (k - quad * 8);
-        const float nan = __int_as_float(0x7FC00000);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            *reinterpret_cast<__nv_bfloat162*>(dst + act_position(8 * quad + i)) =
-                has_nan ? __floats2bfloat162_rn(nan, nan)
-                        : __floats2bfloat162_rn(qa_value(v[i], e), qa_value(v[i + 4], e));
+        store_qa_bf16(act, d_hidden_pad, token, k, v, e, has_nan);
     }
     float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
     zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1710,12 +1718,13 @@ __device__ __forceinline__ void quantize_hidden_columns(
 // to act as the E4M3 byte of its E2M1 code times 2^(e - b) at
 // folded_act_position, and token_scale[token] = 2^b. A block more than 14
 // binades below the row's largest has no exact bytes: its token's scale is
-// NaN, so that every output of the token is NaN rather than quietly inexact.
-// (The bf16 wide kernel handles such rows; a call that has one is not yet
-// sent there.)
+// NaN, which sends the call's stage 1 to the bf16 wide kernel (see
+// launch_wide_stage1): so Qa also writes every row as bf16 values into
+// act_bf16, as quantize_hidden_columns<false> does.
 __device__ __forceinline__ void quantize_hidden_row_folded(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad, uint8_t* __restrict__ act,
-        float* __restrict__ token_scale, float* __restrict__ accumulator, int token) {
+        float* __restrict__ token_scale, uint8_t* __restrict__ act_bf16, float* __restrict__ accumulator,
+        int token) {
     __shared__ int row_max;
     const int quad = threadIdx.x & 3, k = threadIdx.x * 8;
     const bool active = k < d_hidden_pad;   // whole quads: d_hidden_pad is a multiple of 32
@@ -1741,6 +1750,7 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
     uint8_t* block = act + (size_t)token * d_hidden_pad + (k - quad * 8);
     *reinterpret_cast<uint32_t*>(block + 4 * quad) = low;
     *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = high;
+    store_qa_bf16(act_bf16, d_hidden_pad, token, k, v, e, has_nan);
     float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
     zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1751,7 +1761,8 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
 // runs Qa of columns [8192y, 8192y+8192) of one token
 // (quantize_hidden_columns), so that routing costs no launch of its own and
 // little time. kFolded: Qa for the wide stage 1's e4m3 path instead, a CTA
-// per token (quantize_hidden_row_folded; act_scale is then the tokens' scales).
+// per token (quantize_hidden_row_folded; act_scale is then the tokens'
+// scales, act_bf16 the bf16 rows), and redo_tiles starts at zero.
 constexpr int kPrepareThreads = 1024;
 constexpr int kPrepareColumns = kPrepareThreads * 8;
 template <bool kFp8, bool kFolded>
@@ -1762,8 +1773,11 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         int* __restrict__ bad_ids, int wide_tile_tokens, int2* __restrict__ wide_tiles,
         int* __restrict__ num_wide_tiles,
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
-        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
+        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator,
+        uint8_t* __restrict__ act_bf16, int* __restrict__ redo_tiles) {
     let_next_kernel_launch();   // a call's first kernel: launched normally, after whatever came before
+    if constexpr (kFolded)
+        if (blockIdx.x == 0 && threadIdx.x == 0) *redo_tiles = 0;
     if (blockIdx.x == 0) {   // CTA-uniform: route_pairs' barriers see every thread
         if (blockIdx.y == 0)
             route_pairs(topk_ids, topk_weights, num_pairs, top_k, n_experts, tile_tokens, expert_offsets, tiles,
@@ -1772,7 +1786,8 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         return;
     }
     if constexpr (kFolded)
-        quantize_hidden_row_folded(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1);
+        quantize_hidden_row_folded(hidden, d_hidden, d_hidden_pad, act, act_scale, act_bf16, accumulator,
+                                   blockIdx.x - 1);
     else
         quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,
                                       blockIdx.y * kPrepareColumns + threadIdx.x * 8);
@@ -2098,7 +2113,7 @@ MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #define MOE_INSTANTIATE_ROUTE(FP8, FOLDED)                                                                 \
     template __global__ void route_and_quantize_kernel<FP8, FOLDED>(const int*, const float*, int, int, int, \
         int, int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int,        \
-        uint8_t*, float*, float*);
+        uint8_t*, float*, float*, uint8_t*, int*);
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
     MOE_INSTANTIATE_ROUTE(FP8, false)                                                                      \
     MOE_INSTANTIATE_SWIGLU(FP8, 1)                                                                         \
@@ -2466,7 +2481,10 @@ __device__ __forceinline__ void wide_compute_stage_folded(
 // kFolded: act holds the folded E4M3 bytes of quantize_hidden_row_folded and
 // token_scale its tokens' scales; the consumers take
 // wide_compute_stage_folded, and the epilogue multiplies each sum by its
-// row's and token's scales. Rows or tokens without exact bytes give NaN.
+// row's and token's scales. A unit with a weight row or a token that does
+// not fold sets *redo_tiles to the tile count, so that the bf16 kernel
+// launched next (the same kernel without kFolded, over *redo_tiles tiles,
+// none otherwise) computes all of stage 1 again, exactly.
 template <int kTokens, bool kFolded>
 __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage1_wide_kernel(
         const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
@@ -2475,7 +2493,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks, int columns,
         int slices, uint8_t* __restrict__ inter, float2* __restrict__ partial, int num_pairs,
-        const __grid_constant__ TensorMap weight_map) {
+        int* __restrict__ redo_tiles, const __grid_constant__ TensorMap weight_map) {
     using W = WideStage1<kTokens>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
     constexpr int kActValueBytes = kFolded ? 1 : 2;
@@ -2549,9 +2567,11 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                          + (size_t)unit.first_block * (kScaleBlock * kActValueBytes) + chunk * 16;
                 valid_tokens |= (uint32_t)valid << j;
                 if constexpr (kFolded)
-                    if (chunk == 0)
-                        unit_token_scale[(n & 1) * kTokens + token] =
-                            valid ? token_scale[sorted_tokens[unit.tile.row_start + token]] : 0.0f;
+                    if (chunk == 0) {
+                        const float scale = valid ? token_scale[sorted_tokens[unit.tile.row_start + token]] : 0.0f;
+                        unit_token_scale[(n & 1) * kTokens + token] = scale;
+                        if (isnan(scale)) *redo_tiles = num_tiles;   // Qa could not fold the token
+                    }
             }
             // Local weight rows p, p + 32 * kProducerWarps, ...: their scales (stage1_kernel's weight_row_of).
             const uint8_t* scale_src[kScaleRows];
@@ -2621,6 +2641,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             // A quad's four threads hold K quarters of the same two rows.
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 1);
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 2);
+            if (out_of_window) *redo_tiles = num_tiles;
             const float nan = __int_as_float(0x7FC00000);
             const float gate_scale = out_of_window & 1u ? nan : exact_pow2((int)row_base[0] - 127);
             const float up_scale = out_of_window & 2u ? nan : exact_pow2((int)row_base[1] - 127);
@@ -2676,7 +2697,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
 #define MOE_INSTANTIATE_WIDE_STAGE1(FOLDED)                                                                     \
     template __global__ void stage1_wide_kernel<144, FOLDED>(const uint8_t*, const uint8_t*, const float*,       \
         const int*, const int*, const int2*, const int*, int, int, int, int, int, int, int, uint8_t*, float2*,   \
-        int, const __grid_constant__ TensorMap);
+        int, int*, const __grid_constant__ TensorMap);
 MOE_INSTANTIATE_WIDE_STAGE1(false)
 MOE_INSTANTIATE_WIDE_STAGE1(true)
 #undef MOE_INSTANTIATE_WIDE_STAGE1
@@ -2813,15 +2834,18 @@ __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
 }
 // Activations in the GEMMs' format (bf16 values, or FP8: E4M3 codes with
 // fp32 block scales in `scale`, undefined for bf16) as raw bytes.
-// folded: the wide stage 1's folded E4M3 bytes, a scale per row (quantize_hidden_row_folded).
+// folded: the wide stage 1's folded E4M3 bytes, a scale per row, and the
+// rows as bf16 values for its fallback (quantize_hidden_row_folded).
 struct Activations {
-    torch::Tensor values, scale;
+    torch::Tensor values, scale, fallback;
     Activations(int rows, int k_padded, bool fp8, bool folded, const torch::TensorOptions& options)
         : values(torch::empty({rows, k_padded * (fp8 || folded ? 1 : 2)}, options.dtype(torch::kUInt8))),
           scale(fp8 || folded ? torch::empty({rows, folded ? 1 : k_padded / kScaleBlock},
                                              options.dtype(torch::kFloat32))
-                              : torch::Tensor()) {}
+                              : torch::Tensor()),
+          fallback(folded ? torch::empty({rows, k_padded * 2}, options.dtype(torch::kUInt8)) : torch::Tensor()) {}
     uint8_t* bytes() const { return values.data_ptr<uint8_t>(); }
+    uint8_t* fallback_bytes() const { return fallback.data_ptr<uint8_t>(); }
     float* scales() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -3009,27 +3033,44 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
 // The wide kernels (bf16 warpgroup MMAs), with stage 1's K slices and stage
 // 2's row tiles per CTA sized for the CTAs per SM the kernels get and the
 // tile count the routing is expected to give.
-template <int kTokens, bool kFolded>
-void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
+// folded (c.act holds quantize_hidden_row_folded's bytes): the e4m3 kernel,
+// then the bf16 one over *redo_tiles tiles (none unless a unit did not fold:
+// its CTAs then leave at once) on the bf16 rows, both before the one fix-up
+// of K slices.
+template <int kTokens>
+void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* redo_tiles) {
     using W = WideStage1<kTokens>;
     TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
-    const auto stage1 = stage1_wide_kernel<kTokens, kFolded>;
-    constexpr int kSharedBytes = W::kSharedBytes + (kFolded ? W::kFoldedExtraBytes : 0);
-    allow_shared_memory(stage1, kSharedBytes);
+    const auto stage1 = stage1_wide_kernel<kTokens, false>;
+    const auto stage1_folded = stage1_wide_kernel<kTokens, true>;
+    constexpr int kFoldedSharedBytes = W::kSharedBytes + W::kFoldedExtraBytes;
+    allow_shared_memory(stage1, W::kSharedBytes);
+    allow_shared_memory(stage1_folded, kFoldedSharedBytes);
     const int k_blocks = c.k_blocks1();
     const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
-        : stage1_splits<W>(stage1, kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
+        : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
     const int n_slices = (k_blocks + slices.blocks - 1) / slices.blocks;
     // Persistent CTAs: every CTA slot, or fewer if the most units the routing can give are fewer.
     const long long units = (long long)t.max_tiles * c.columns1() * n_slices;
-    const long long slots = (long long)ctas_per_sm(stage1, W::kThreads, kSharedBytes) * sm_count();
-    launch_after_previous(stage1, dim3((unsigned)std::max(1LL, std::min(units, slots))),
-        W::kThreads, kSharedBytes, c.stream,
-        c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), kFolded ? c.act.scales() : nullptr, c.sorted_tokens,
-        c.expert_offsets, t.tiles, t.count,
-        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.columns1(), n_slices,
-        c.inter.bytes(), slices.partial_ptr(), c.num_pairs, gate_up_map(c, W::kStageBlocks));
+    const long long slots = (long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count();
+    const dim3 grid((unsigned)std::max(1LL, std::min(units, slots)));
+    auto launch = [&](auto kernel, int shared_bytes, const uint8_t* act, const float* token_scale,
+                      const int* num_tiles) {
+        launch_after_previous(kernel, grid, W::kThreads, shared_bytes, c.stream,
+            c.gate_up_scale.data_ptr<uint8_t>(), act, token_scale, c.sorted_tokens, c.expert_offsets, t.tiles,
+            num_tiles, c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.columns1(),
+            n_slices, c.inter.bytes(), slices.partial_ptr(), c.num_pairs, redo_tiles,
+            gate_up_map(c, W::kStageBlocks));
+    };
+    if (folded) {
+        TORCH_CHECK(ctas_per_sm(stage1_folded, W::kThreads, kFoldedSharedBytes) * sm_count() == slots,
+                    "moe_mxfp4: the folded wide stage 1 must fit the bf16 one's CTAs");
+        launch(stage1_folded, kFoldedSharedBytes, c.act.bytes(), c.act.scales(), t.count);
+        launch(stage1, W::kSharedBytes, c.act.fallback_bytes(), nullptr, redo_tiles);
+    } else {
+        launch(stage1, W::kSharedBytes, c.act.bytes(), nullptr, t.count);
+    }
     launch_swiglu_quantize<false>(c, slices);
 }
 
@@ -3114,7 +3155,7 @@ torch::Tensor moe_forward(
     const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
     const int max_wide_tiles = wide_table ? num_pairs / wide_tile_tokens + std::min(n_experts, num_pairs) + 1 : 0;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
-    auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 1},
+    auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 2},
                                 int_opts);
     int2* tiles = reinterpret_cast<int2*>(routing.data_ptr<int>());
     int2* wide_tiles = tiles + max_tiles;
@@ -3124,6 +3165,7 @@ torch::Tensor moe_forward(
     int* sorted_tokens = expert_offsets + n_experts + 1;
     float* sorted_weights = reinterpret_cast<float*>(sorted_tokens + num_pairs);
     int* bad_ids = sorted_tokens + 2 * num_pairs;
+    int* redo_tiles = bad_ids + 1;   // the folded wide stage 1's fallback (launch_wide_stage1)
     // 144-token wide tiles take folded E4M3 activations (the wide stage 1's
     // e4m3 path) where one Qa CTA holds a token's whole row.
     const bool folded = wide_tile_tokens == 144 && d_hidden_pad <= kPrepareColumns;
@@ -3147,7 +3189,8 @@ torch::Tensor moe_forward(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
         wide_table ? (int)wide_tile_tokens : 0, wide_tiles, num_wide_tiles,
-        bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
+        bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>(),
+        folded ? act.fallback_bytes() : nullptr, redo_tiles);
     MOE_CUDA_CHECK(cudaGetLastError());
 
     const MoeCall call{stream, num_pairs, n_experts, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,
@@ -3163,8 +3206,7 @@ torch::Tensor moe_forward(
 #define MOE_LAUNCH_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2)) launch_stage2<NT, MT2, WT, SB, STAGES, WG, FP8>(call, narrow);
     if (wide_tile_tokens == 144) {
-        if (folded) launch_wide_stage1<144, true>(call, wide);
-        else launch_wide_stage1<144, false>(call, wide);
+        launch_wide_stage1<144>(call, wide, folded, redo_tiles);
         launch_wide_stage2<144>(call, wide);
     } else {
         MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1)

@@ -147,11 +147,12 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     print(report)
     assert returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # convert; route+quantise for both activation formats; SwiGLU+Qa of split stage 1 for both formats at
-    # 1, 2 and 4 rows per warp; the wide stage 2 of each wide tile width and the 144-token wide stage 1;
-    # and stage 1 and stage 2 for each GEMM config (one set for configs that differ in wide tiles only)
+    # convert; route+quantise for both activation formats and the folded one; SwiGLU+Qa of split stage 1 for
+    # both formats at 1, 2 and 4 rows per warp; the wide stage 2 of each wide tile width and the 144-token wide
+    # stage 1, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that differ
+    # in wide tiles only)
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
-    assert len(kernels) == 1 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(kernel_sets), kernels
+    assert len(kernels) == 1 + 3 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 2 + 2 * len(kernel_sets), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
@@ -315,6 +316,49 @@ def test_every_config_takes_the_wide_path_in_stage1(config):
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
     assert torch.isfinite(out).all()
+
+
+WIDE_144 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144)
+
+
+def with_first_block_scales_moved(data, rows, shift):
+    """data with the first scale block of the given gate/up weight rows moved
+    by `shift` binades (so the rows' other blocks sit -shift from it)."""
+    scales = data[3].view(torch.uint8).cpu().clone()
+    flat = scales.reshape(-1, scales.shape[-1])
+    flat[rows, 0] = (flat[rows, 0].to(torch.int32) + shift).clamp(1, 254).to(torch.uint8)
+    return with_replaced(data, 3, scales.to(data[3].device).view(data[3].dtype))
+
+
+@needs_cuda
+@pytest.mark.parametrize("shift", [-8, -4, 3, 8], ids=lambda n: f"shift{n}")
+def test_folded_wide_stage1_in_and_past_its_window(shift):
+    """The 144-token wide stage 1 folds each weight row's blocks against its
+    first block, exactly from -5 to 6 binades. Moving 40 rows' first blocks
+    by -4 or 3 binades leaves their other blocks inside that window (their
+    own exponents spread by about one binade); by -8 or 8 it puts them
+    outside, where the unit sets redo_tiles and the bf16 kernel computes
+    stage 1 again. Without that fallback the moved rows' outputs are NaN."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 41)
+    rows = torch.randint(0, data[3].shape[0], (40,), generator=torch.Generator().manual_seed(42))
+    data = with_first_block_scales_moved(data, rows, shift)
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
+
+
+@needs_cuda
+def test_folded_wide_stage1_falls_back_for_tokens_qa_cannot_fold():
+    """Tokens whose block exponents span more than E4M3's 15 binades (one
+    block of 1e4, the rest of 1e-3) have no folded bytes: Qa marks their
+    scale NaN and stage 1 runs again in bf16, exactly."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 43)
+    hidden = data[0].clone()
+    hidden[5] *= 1e-3
+    hidden[5, 64:96] = 1e4
+    hidden[17] *= 1e-3
+    hidden[17, 1000:1032] = -1e4
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(with_replaced(data, 0, hidden), run=lambda d: solution._run_kernels(module, d, WIDE_144))
 
 
 @needs_cuda
