@@ -2638,7 +2638,10 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             wgmma_wait<0>();
             // The sums times their rows' and tokens' scales (NaN for a row
             // that met a block outside its fold, or a token Qa could not fold).
-            // A quad's four threads hold K quarters of the same two rows.
+            // A quad's four threads hold K quarters of the same two rows. A
+            // first scale byte of 255 (NaN) folds nothing: the bf16 kernel
+            // gives those rows' NaN.
+            out_of_window |= (uint32_t)(row_base[0] == 255u) | (uint32_t)(row_base[1] == 255u) << 1;
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 1);
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 2);
             if (out_of_window) *redo_tiles = num_tiles;
