@@ -2558,6 +2558,10 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             // (ncu, H200).
             const uint8_t* src[kPasses];
             uint32_t valid_tokens = 0;
+            // kFolded, chunk 0's threads: the tokens' scales, stored into
+            // unit_token_scale once the unit's first copies are issued (the
+            // loads' round trip then delays no copy).
+            float unit_scales[kFolded ? kPasses : 1];
 #pragma unroll
             for (int j = 0; j < kPasses; ++j) {
                 const int token = p / kChunks + kTokensPerPass * j;
@@ -2567,11 +2571,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                          + (size_t)unit.first_block * (kScaleBlock * kActValueBytes) + chunk * 16;
                 valid_tokens |= (uint32_t)valid << j;
                 if constexpr (kFolded)
-                    if (chunk == 0) {
-                        const float scale = valid ? token_scale[sorted_tokens[unit.tile.row_start + token]] : 0.0f;
-                        unit_token_scale[(n & 1) * kTokens + token] = scale;
-                        if (isnan(scale)) *redo_tiles = num_tiles;   // Qa could not fold the token
-                    }
+                    if (chunk == 0)
+                        unit_scales[j] = valid ? token_scale[sorted_tokens[unit.tile.row_start + token]] : 0.0f;
             }
             // Local weight rows p, p + 32 * kProducerWarps, ...: their scales (stage1_kernel's weight_row_of).
             const uint8_t* scale_src[kScaleRows];
@@ -2606,6 +2607,13 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                     cp_async_small<4>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB,
                                       scale_src[i] + block0, min(SB, valid_blocks));
                 cp_async_commit();
+                if constexpr (kFolded)
+                    if (stage == 0 && chunk == 0)   // before this thread's arrival on the unit's first stage
+#pragma unroll
+                        for (int j = 0; j < kPasses; ++j) {
+                            unit_token_scale[(n & 1) * kTokens + p / kChunks + kTokensPerPass * j] = unit_scales[j];
+                            if (isnan(unit_scales[j])) *redo_tiles = num_tiles;   // Qa could not fold the token
+                        }
                 if (stage > 0) {   // the previous stage's copies have landed: fence them, mark that stage full
                     cp_async_wait<1>();
                     fence_async_shared();
