@@ -2201,8 +2201,8 @@ struct WideStage1 : WideLayout<kTokens> {
     static constexpr int kThreads = (L::kConsumerWarps + kProducerWarps) * 32;
     static constexpr int kEpilogueBytes = kTokens * kStage1HStride * (int)sizeof(float);
     static constexpr int kSharedBytes = kRing * L::kStageBytes + kEpilogueBytes + 1024 - 16;
-    // The folded path's token scales of two units, after the epilogue's h.
-    static constexpr int kFoldedExtraBytes = 2 * kTokens * (int)sizeof(float);
+    // The folded path's token scales of kRing units, after the epilogue's h.
+    static constexpr int kFoldedExtraBytes = kRing * kTokens * (int)sizeof(float);
     static_assert(kSharedBytes + kFoldedExtraBytes <= 227 * 1024 / L::kCtasPerSm - 1024, "the CTAs per SM");
 };
 
@@ -2505,9 +2505,12 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     if ((int)blockIdx.x >= units) return;
     uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* h = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
-    // kFolded: the unit's token scales, by unit parity, after h
-    // (kFoldedExtraBytes; the loaders write a unit's before their arrivals
-    // on its first stage).
+    // kFolded: the units' token scales, unit n's in slot n % kRing, after h
+    // (kFoldedExtraBytes). A loader stores a unit's after issuing its first
+    // stage, so after waiting for the slot of the stage kRing before it:
+    // the consumers are then past unit n - kRing's epilogue whatever the
+    // units' stage counts (K slices of one stage included), and slot
+    // n % kRing is free. Its arrivals on that first stage come later.
     float* unit_token_scale = h + kTokens * kStage1HStride;
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
     const int total_blocks = (d_hidden + kScaleBlock - 1) / kScaleBlock;
@@ -2611,7 +2614,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                     if (stage == 0 && chunk == 0)   // before this thread's arrival on the unit's first stage
 #pragma unroll
                         for (int j = 0; j < kPasses; ++j) {
-                            unit_token_scale[(n & 1) * kTokens + p / kChunks + kTokensPerPass * j] = unit_scales[j];
+                            unit_token_scale[n % kRing * kTokens + p / kChunks + kTokensPerPass * j] =
+                                unit_scales[j];
                             if (isnan(unit_scales[j])) *redo_tiles = num_tiles;   // Qa could not fold the token
                         }
                 if (stage > 0) {   // the previous stage's copies have landed: fence them, mark that stage full
@@ -2656,7 +2660,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             const float nan = __int_as_float(0x7FC00000);
             const float gate_scale = out_of_window & 1u ? nan : exact_pow2((int)row_base[0] - 127);
             const float up_scale = out_of_window & 2u ? nan : exact_pow2((int)row_base[1] - 127);
-            const float* tokens = unit_token_scale + (n & 1) * kTokens;
+            const float* tokens = unit_token_scale + n % kRing * kTokens;
 #pragma unroll
             for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
