@@ -561,48 +561,27 @@ GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(dict.fromkeys(
     for c in GEMM_CONFIGS)) + "\n"
 
 
-def _wgmma_bf16_source(n: int) -> str:
-    """The m64n{n}k16 bf16 warpgroup MMA wrapper (n/2 accumulator registers,
-    too many to write out by hand): d (+)= a.b, a from registers, b by
-    descriptor (see wgmma_descriptor_low); accumulate 0 gives d = a.b, the
-    first MMA of a wide row tile, so that no accumulator is zeroed between
-    tiles."""
+def _wgmma_source(n: int, kind: str = "bf16") -> str:
+    """A m64n{n} warpgroup MMA wrapper (n/2 accumulator registers, too many
+    to write out by hand): d (+)= a.b, a from registers, b by descriptor (see
+    wgmma_descriptor_low); accumulate 0 gives d = a.b, the first MMA of a wide
+    row tile, so that no accumulator is zeroed between tiles. kind "bf16":
+    wgmma_m64n{n}k16; "e4m3": wgmma_m64n{n}k32_e4m3 (no transpose operands
+    for 8-bit types; the folded wide stage 1's, and timing_variants'
+    wide_e4m3_mma)."""
+    name, shape, operands = {"bf16": (f"wgmma_m64n{n}k16", f"m64n{n}k16.f32.bf16.bf16", "1, 1, 0"),
+                             "e4m3": (f"wgmma_m64n{n}k32_e4m3", f"m64n{n}k32.f32.e4m3.e4m3", "1, 1")}[kind]
     regs = n // 2
     outputs = ", ".join(f"%{i}" for i in range(regs))
     constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
     return f"""
-__device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
+__device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
                                                  uint32_t b_descriptor, uint32_t accumulate) {{
 #ifdef MOE_HAS_WGMMA
     asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
                  "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
-                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outputs}}}, "
-                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1, 0;\\n}}\\n"
-                 : {constraints}
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
-                   "r"(kWgmmaDescriptorHigh));
-#else
-    __trap();
-#endif
-}}
-"""
-
-
-def _wgmma_e4m3_source(n: int) -> str:
-    """The m64n{n}k32 e4m3 warpgroup MMA wrapper with an accumulate flag (the
-    wide stage 1's folded path; wgmma_e4m3 below starts each block's sum
-    afresh): d (+)= a.b, a from registers in the k32 layout, b by descriptor."""
-    regs = n // 2
-    outputs = ", ".join(f"%{i}" for i in range(regs))
-    constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
-    return f"""
-__device__ __forceinline__ void wgmma_m64n{n}k32_e4m3(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
-                                                     uint32_t b_descriptor, uint32_t accumulate) {{
-#ifdef MOE_HAS_WGMMA
-    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
-                 "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
-                 "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outputs}}}, "
-                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1;\\n}}\\n"
+                 "wgmma.mma_async.sync.aligned.{shape} {{{outputs}}}, "
+                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, {operands};\\n}}\\n"
                  : {constraints}
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
                    "r"(kWgmmaDescriptorHigh));
@@ -736,7 +715,7 @@ __device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) {
     return smem_addr(p) >> 4 | 1u << 16;
 }
 constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;   // atom stride; 128-byte swizzle
-""" + "".join(_wgmma_bf16_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) + _wgmma_e4m3_source(144) + r"""
+""" + "".join(_wgmma_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) + _wgmma_source(144, "e4m3") + r"""
 // d(64 x 8*N8) = a(64 x 32) . b(32 x 8*N8), e4m3 in, fp32 out; d's previous
 // contents are discarded (scale-d false): one scale block's fresh sum. a
 // from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows

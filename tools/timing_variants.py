@@ -19,35 +19,18 @@ edits), which ab_bench.py times unchecked (see its docstring):
 import os
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import solution  # noqa: E402  (the wrapper generator of the e4m3 variant)
+
 
 def _e4m3_wide_source() -> str:
-    """wgmma_e4m3_wide<kTokens>: the m64n{64,144}k32 e4m3 warpgroup MMA with
-    an accumulate flag (wide_e4m3_mma's MMAs), as solution.py's
-    _wgmma_bf16_source writes the bf16 ones."""
-    text = ""
-    for n in (64, 144):
-        regs = n // 2
-        outputs = ", ".join(f"%{i}" for i in range(regs))
-        constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
-        text += f"""
-__device__ __forceinline__ void wgmma_e4m3_m64n{n}k32(float (&d)[{n // 8}][4], const uint32_t (&a)[4],
-                                                     uint32_t b_descriptor, uint32_t accumulate) {{
-#ifdef MOE_HAS_WGMMA
-    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 b;\\nsetp.ne.b32 accumulate, %{regs + 5}, 0;\\n"
-                 "mov.b64 b, {{%{regs + 4}, %{regs + 6}}};\\n"
-                 "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outputs}}}, "
-                 "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, b, accumulate, 1, 1;\\n}}\\n"
-                 : {constraints}
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b_descriptor), "r"(accumulate),
-                   "r"(kWgmmaDescriptorHigh));
-#endif
-}}
-"""
-    return text + """template <int kTokens>
+    """wgmma_e4m3_wide<kTokens>: solution.py's m64n{64,144}k32 e4m3 warpgroup
+    MMA wrappers (wide_e4m3_mma's MMAs) and a dispatcher over the two widths."""
+    return "".join(solution._wgmma_source(n, "e4m3") for n in (64, 144)) + """template <int kTokens>
 __device__ __forceinline__ void wgmma_e4m3_wide(float (&d)[kTokens / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
                                                 uint32_t accumulate) {
-    if constexpr (kTokens == 144) wgmma_e4m3_m64n144k32(d, a, b_descriptor, accumulate);
-    else wgmma_e4m3_m64n64k32(d, a, b_descriptor, accumulate);
+    if constexpr (kTokens == 144) wgmma_m64n144k32_e4m3(d, a, b_descriptor, accumulate);
+    else wgmma_m64n64k32_e4m3(d, a, b_descriptor, accumulate);
 }
 """
 
