@@ -217,6 +217,55 @@ MOE_HD int fp8_act_position(int p) {
     return (p & 1) << 4 | (p >> 3) << 2 | ((p >> 1) & 3);
 }
 
+// Folded E4M3 (the wide stage 1's e4m3 path): each operand carries its
+// block scales in its bytes, so that the MMAs sum all of K with no per-block
+// rescale. An E2M1 value v of a block with exponent s, in a row with base
+// exponent b, is the E4M3 byte of v * 2^(s - b), and the row's sum is
+// multiplied by 2^b once. E4M3 holds v * 2^d exactly for every E2M1 value
+// and -8 <= d <= 6 (6 * 2^6 = 384 at the top, 0.5 * 2^-8 = 2^-9, its
+// smallest subnormal, at the bottom); on the host side
+// tools/fp8_accumulation.py measured the MMAs' sums of such bytes over K.
+constexpr int kFoldMinShift = -8, kFoldMaxShift = 6;
+MOE_HD uint32_t e2m1_to_e4m3_shifted(uint32_t code, int d) {
+    const uint32_t c = code & 7u, sign = (code & 8u) << 4;
+    if (c == 0) return sign;
+    // v = (1 + frac / 2) * 2^((c >> 1) - 1) (code 1: 0.5, frac 0).
+    const uint32_t frac = c >= 2 ? (c & 1u) : 0u;
+    const int biased = (int)(c >> 1) - 1 + d + 7;
+    if (biased >= 1) return sign | (uint32_t)biased << 3 | frac << 2;
+    // Subnormal: (2 + frac) * 2^(biased + 1) units of 2^-9 (biased >= -2
+    // here, and frac is 0 at -2: only code 1 gets that low).
+    return sign | ((2u + frac) << (biased + 2)) >> 1;
+}
+// Where the wide stage 1's folded activations put a block's value p: its
+// weight fragments (fp4_word_to_folded_e4m3) give word t's values 0-3 as k
+// 4t..4t+3 and values 4-7 as k 16+4t..16+4t+3 of the k32 MMA.
+MOE_HD int folded_act_position(int p) {
+    return (p & 3) | (p >> 3) << 2 | ((p >> 2) & 1) << 4;
+}
+// The E4M3 bytes of E2M1 magnitudes 0-7 times 2^d (lo: codes 0-3, hi: 4-7)
+// for -5 <= d <= 6, where every nonzero entry is a normal E4M3 and d adds to
+// its exponent field: two adds per row and block.
+constexpr int kFoldTableMinShift = -5;
+MOE_HD void folded_e4m3_table(int d, uint32_t& lo, uint32_t& hi) {
+    lo = 0x3C383000u + (uint32_t)d * 0x08080800u;
+    hi = 0x4C484440u + (uint32_t)d * 0x08080808u;
+}
+// A word of eight fp4 codes (low nibble first) through that table: values
+// 0-3 as the bytes of .x, values 4-7 of .y. A byte permute picks the
+// magnitudes; the sign bits (bit 3 of each nibble) move to bit 7 of their
+// bytes through a second permute and a shift.
+MOE_HD uint2 fp4_word_to_folded_e4m3(uint32_t word, uint32_t lo, uint32_t hi) {
+    uint32_t out[2];
+    for (int half = 0; half < 2; ++half) {
+        const uint32_t codes = word >> (16 * half);
+        const uint32_t magnitudes = byte_perm(lo, hi, codes & 0x7777u);
+        const uint32_t spread = byte_perm(codes, 0u, 0x1100u);
+        out[half] = magnitudes | (spread & 0x80008000u) | (spread << 4 & 0x00800080u);
+    }
+    return make_uint2(out[0], out[1]);
+}
+
 // Qa's block exponent e for a block whose largest magnitude is amax (not
 // NaN): amax's bits plus 0x200000, masked to the exponent, e = log2 - 2,
 // clamped to [-127, 127].
@@ -518,7 +567,8 @@ def _wgmma_source(n: int, kind: str = "bf16") -> str:
     wgmma_descriptor_low); accumulate 0 gives d = a.b, the first MMA of a wide
     row tile, so that no accumulator is zeroed between tiles. kind "bf16":
     wgmma_m64n{n}k16; "e4m3": wgmma_m64n{n}k32_e4m3 (no transpose operands
-    for 8-bit types; timing_variants' wide_e4m3_mma uses it)."""
+    for 8-bit types; the folded wide stage 1's, and timing_variants'
+    wide_e4m3_mma)."""
     name, shape, operands = {"bf16": (f"wgmma_m64n{n}k16", f"m64n{n}k16.f32.bf16.bf16", "1, 1, 0"),
                              "e4m3": (f"wgmma_m64n{n}k32_e4m3", f"m64n{n}k32.f32.e4m3.e4m3", "1, 1")}[kind]
     regs = n // 2
@@ -665,7 +715,7 @@ __device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) {
     return smem_addr(p) >> 4 | 1u << 16;
 }
 constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;   // atom stride; 128-byte swizzle
-""" + "".join(_wgmma_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) + r"""
+""" + "".join(_wgmma_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) + _wgmma_source(144, "e4m3") + r"""
 // d(64 x 8*N8) = a(64 x 32) . b(32 x 8*N8), e4m3 in, fp32 out; d's previous
 // contents are discarded (scale-d false): one scale block's fresh sum. a
 // from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows
@@ -1556,6 +1606,54 @@ __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const i
 STAGE1_SOURCE = r"""
 namespace moe {
 
+// Qa's eight values of a token's hidden row from column k (zero past
+// d_hidden, and everywhere if !active), as one 16-byte load where aligned,
+// and their block's largest magnitude and NaN flag: the block's four
+// threads are lanes 4j..4j+3 of one warp, all of which must call this.
+__device__ __forceinline__ void load_hidden_eighth(const __nv_bfloat16* __restrict__ hidden, int d_hidden,
+                                                   int token, int k, bool active, float (&v)[8], float& amax,
+                                                   bool& has_nan) {
+    const __nv_bfloat16* src = hidden + (size_t)token * d_hidden + k;
+    if (active && k + 8 <= d_hidden && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(src);
+        __nv_bfloat16 h[8];
+        memcpy(h, &raw, sizeof raw);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __bfloat162float(h[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = active && k + i < d_hidden ? __bfloat162float(src[i]) : 0.0f;
+    }
+    amax = 0.0f;
+    has_nan = false;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        amax = fmaxf(amax, fabsf(v[i]));
+        has_nan |= isnan(v[i]);
+    }
+#pragma unroll
+    for (int offset = 1; offset < 4; offset <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        has_nan |= __shfl_xor_sync(0xffffffffu, (int)has_nan, offset) != 0;
+    }
+}
+
+// Qa's dequantised bf16 values of columns k..k+7 of a token (a quarter of a
+// block of exponent e) into act's rows of d_hidden_pad values: values 8q+i
+// and 8q+i+4 of the block (q = the quarter) are neighbours in act_position
+// order, at 8i + 2q: one 4-byte store per pair.
+__device__ __forceinline__ void store_qa_bf16(uint8_t* __restrict__ act, int d_hidden_pad, int token, int k,
+                                              const float (&v)[8], int e, bool has_nan) {
+    const int quad = (k / 8) & 3;
+    __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(act) + (size_t)token * d_hidden_pad + (k - quad * 8);
+    const float nan = __int_as_float(0x7FC00000);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<__nv_bfloat162*>(dst + act_position(8 * quad + i)) =
+            has_nan ? __floats2bfloat162_rn(nan, nan)
+                    : __floats2bfloat162_rn(qa_value(v[i], e), qa_value(v[i + 4], e));
+}
+
 // Qa of the hidden states into the GEMMs' activation format (bf16 values, or
 // kFp8: E4M3 codes and fp32 block scales), and zeroing of the fp32
 // accumulator that stage 2 adds into: columns k..k+7 of one token, by one
@@ -1568,31 +1666,9 @@ __device__ __forceinline__ void quantize_hidden_columns(
         int token, int k) {
     const int quad = threadIdx.x & 3;
     if (k >= d_hidden_pad) return;   // whole blocks: d_hidden_pad is a multiple of 32
-    const __nv_bfloat16* src = hidden + (size_t)token * d_hidden + k;
-    float v[8];
-    if (k + 8 <= d_hidden && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(src);
-        __nv_bfloat16 h[8];
-        memcpy(h, &raw, sizeof raw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = __bfloat162float(h[i]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = k + i < d_hidden ? __bfloat162float(src[i]) : 0.0f;
-    }
-    float amax = 0.0f;
-    bool has_nan = false;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        amax = fmaxf(amax, fabsf(v[i]));
-        has_nan |= isnan(v[i]);
-    }
-    // The block's four threads are lanes 4j..4j+3 of one warp.
-#pragma unroll
-    for (int offset = 1; offset < 4; offset <<= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        has_nan |= __shfl_xor_sync(0xffffffffu, (int)has_nan, offset) != 0;
-    }
+    float v[8], amax;
+    bool has_nan;
+    load_hidden_eighth(hidden, d_hidden, token, k, true, v, amax, has_nan);
     const int e = qa_exponent(amax);
     if (kFp8) {
         // The quad's even values are k 4q..4q+3 of fp8_act_position, its odd
@@ -1608,16 +1684,52 @@ __device__ __forceinline__ void quantize_hidden_columns(
         *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = odd;
         if (quad == 0) act_scale[(size_t)token * (d_hidden_pad / kScaleBlock) + k / kScaleBlock] = exact_pow2(e);
     } else {
-        // Values 8q+i and 8q+i+4 of the block (q = quad) are neighbours in
-        // act_position order, at 8i + 2q: one 4-byte store per pair.
-        __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(act) + (size_t)token * d_hidden_pad + (k - quad * 8);
-        const float nan = __int_as_float(0x7FC00000);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            *reinterpret_cast<__nv_bfloat162*>(dst + act_position(8 * quad + i)) =
-                has_nan ? __floats2bfloat162_rn(nan, nan)
-                        : __floats2bfloat162_rn(qa_value(v[i], e), qa_value(v[i + 4], e));
+        store_qa_bf16(act, d_hidden_pad, token, k, v, e, has_nan);
     }
+    float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
+    zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// Qa of one token's whole row (one CTA: d_hidden_pad <= kPrepareColumns) for
+// the wide stage 1's e4m3 path: the row's base b is its largest block
+// exponent less 6 (so the largest block's bytes reach 384), each value goes
+// to act as the E4M3 byte of its E2M1 code times 2^(e - b) at
+// folded_act_position, and token_scale[token] = 2^b. A block more than 14
+// binades below the row's largest has no exact bytes: its token's scale is
+// NaN, which sends the call's stage 1 to the bf16 wide kernel (see
+// launch_wide_stage1): so Qa also writes every row as bf16 values into
+// act_bf16, as quantize_hidden_columns<false> does.
+__device__ __forceinline__ void quantize_hidden_row_folded(
+        const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad, uint8_t* __restrict__ act,
+        float* __restrict__ token_scale, uint8_t* __restrict__ act_bf16, float* __restrict__ accumulator,
+        int token) {
+    __shared__ int row_max;
+    const int quad = threadIdx.x & 3, k = threadIdx.x * 8;
+    const bool active = k < d_hidden_pad;   // whole quads: d_hidden_pad is a multiple of 32
+    float v[8], amax;
+    bool has_nan;
+    load_hidden_eighth(hidden, d_hidden, token, k, active, v, amax, has_nan);
+    const int e = qa_exponent(amax);
+    if (threadIdx.x == 0) row_max = -128;
+    __syncthreads();
+    if (active && quad == 0 && amax > 0.0f) atomicMax(&row_max, e);
+    __syncthreads();
+    const int base = row_max - kFoldMaxShift, d = e - base;
+    const bool unfoldable = __syncthreads_or(active && amax > 0.0f && d < kFoldMinShift);
+    if (threadIdx.x == 0) token_scale[token] = unfoldable ? __int_as_float(0x7FC00000) : exact_pow2(base);
+    if (!active) return;
+    // Values 8q..8q+3 of the block go to k 4q..4q+3, values 8q+4.. to k 16+4q..: one 4-byte store each.
+    uint32_t low = 0, high = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        low |= (has_nan ? kE4m3Nan : e2m1_to_e4m3_shifted(qa_code(v[i], e), d)) << (8 * i);
+        high |= (has_nan ? kE4m3Nan : e2m1_to_e4m3_shifted(qa_code(v[4 + i], e), d)) << (8 * i);
+    }
+    uint8_t* block = act + (size_t)token * d_hidden_pad + (k - quad * 8);
+    *reinterpret_cast<uint32_t*>(block + 4 * quad) = low;
+    *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = high;
+    store_qa_bf16(act_bf16, d_hidden_pad, token, k, v, e, has_nan);
     float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
     zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1627,10 +1739,12 @@ __device__ __forceinline__ void quantize_hidden_columns(
 // first, so that it starts in the first wave); meanwhile CTA (1 + token, y)
 // runs Qa of columns [8192y, 8192y+8192) of one token
 // (quantize_hidden_columns), so that routing costs no launch of its own and
-// little time.
+// little time. kFolded: Qa for the wide stage 1's e4m3 path instead, a CTA
+// per token (quantize_hidden_row_folded; act_scale is then the tokens'
+// scales, act_bf16 the bf16 rows), and redo_tiles starts at zero.
 constexpr int kPrepareThreads = 1024;
 constexpr int kPrepareColumns = kPrepareThreads * 8;
-template <bool kFp8>
+template <bool kFp8, bool kFolded>
 __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
         int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
@@ -1638,8 +1752,11 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         int* __restrict__ bad_ids, int wide_tile_tokens, int2* __restrict__ wide_tiles,
         int* __restrict__ num_wide_tiles,
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
-        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator) {
+        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator,
+        uint8_t* __restrict__ act_bf16, int* __restrict__ redo_tiles) {
     let_next_kernel_launch();   // a call's first kernel: launched normally, after whatever came before
+    if constexpr (kFolded)
+        if (blockIdx.x == 0 && threadIdx.x == 0) *redo_tiles = 0;
     if (blockIdx.x == 0) {   // CTA-uniform: route_pairs' barriers see every thread
         if (blockIdx.y == 0)
             route_pairs(topk_ids, topk_weights, num_pairs, top_k, n_experts, tile_tokens, expert_offsets, tiles,
@@ -1647,8 +1764,12 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
                         num_wide_tiles);
         return;
     }
-    quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,
-                                  blockIdx.y * kPrepareColumns + threadIdx.x * 8);
+    if constexpr (kFolded)
+        quantize_hidden_row_folded(hidden, d_hidden, d_hidden_pad, act, act_scale, act_bf16, accumulator,
+                                   blockIdx.x - 1);
+    else
+        quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,
+                                      blockIdx.y * kPrepareColumns + threadIdx.x * 8);
 }
 
 constexpr int kStage1Columns = kRows / 2;  // intermediate columns per CTA
@@ -1968,10 +2089,12 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
         int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
+#define MOE_INSTANTIATE_ROUTE(FP8, FOLDED)                                                                 \
+    template __global__ void route_and_quantize_kernel<FP8, FOLDED>(const int*, const float*, int, int, int, \
+        int, int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int,        \
+        uint8_t*, float*, float*, uint8_t*, int*);
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
-    template __global__ void route_and_quantize_kernel<FP8>(const int*, const float*, int, int, int, int,  \
-        int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int, uint8_t*,  \
-        float*, float*);                                                                                   \
+    MOE_INSTANTIATE_ROUTE(FP8, false)                                                                      \
     MOE_INSTANTIATE_SWIGLU(FP8, 1)                                                                         \
     MOE_INSTANTIATE_SWIGLU(FP8, 2)                                                                         \
     MOE_INSTANTIATE_SWIGLU(FP8, 4)
@@ -1980,7 +2103,9 @@ MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
                                                                int, uint8_t*, float*);
 MOE_INSTANTIATE_QA(false)
 MOE_INSTANTIATE_QA(true)
+MOE_INSTANTIATE_ROUTE(false, true)
 #undef MOE_INSTANTIATE_QA
+#undef MOE_INSTANTIATE_ROUTE
 #undef MOE_INSTANTIATE_SWIGLU
 
 }  // namespace moe
@@ -2055,7 +2180,9 @@ struct WideStage1 : WideLayout<kTokens> {
     static constexpr int kThreads = (L::kConsumerWarps + kProducerWarps) * 32;
     static constexpr int kEpilogueBytes = kTokens * kStage1HStride * (int)sizeof(float);
     static constexpr int kSharedBytes = kRing * L::kStageBytes + kEpilogueBytes + 1024 - 16;
-    static_assert(kSharedBytes <= 227 * 1024 / L::kCtasPerSm - 1024, "the CTAs per SM");
+    // The folded path's token scales of kRing units, after the epilogue's h.
+    static constexpr int kFoldedExtraBytes = kRing * kTokens * (int)sizeof(float);
+    static_assert(kSharedBytes + kFoldedExtraBytes <= 227 * 1024 / L::kCtasPerSm - 1024, "the CTAs per SM");
 };
 
 // A consumer warp's stage s of a wide kernel: wait for its slot, convert
@@ -2250,6 +2377,71 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     }
 }
 
+// wide_compute_stage for stage 1's folded activations (act_folded): each
+// block is one e4m3 k32 MMA, on weight bytes folded against row_base, the
+// warp's rows' scale bytes at the unit's first block (kept from stage 0): a
+// block of scale byte s gives v * 2^(s - base) (folded_e4m3_table, exact for
+// -5 <= s - base <= 6). Bit h of out_of_window is set when this thread's
+// codes of row g + 8h in a block outside that range are not all zero (their
+// bytes are then wrong; zero codes, as in K's zero-filled tail, fold to zero
+// at any shift).
+template <int kTokens, int kRing, typename SmemRow>
+__device__ __forceinline__ void wide_compute_stage_folded(
+        float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full, uint64_t* empty, int s, bool first_of_tile,
+        int first_row, int lane, SmemRow smem_row, uint32_t (&row_base)[2], uint32_t& out_of_window) {
+    static_assert(kTokens == 144, "the folded path has the 144-token MMA only");
+    using W = WideLayout<kTokens>;
+    constexpr int SB = W::kStageBlocks;
+    const int slot = s % kRing, g = lane >> 2;
+    mbarrier_wait(&full[slot], (s / kRing) & 1);
+    const uint8_t* base = smem + slot * W::kStageBytes;
+    uint32_t scales[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
+        if (first_of_tile) row_base[h] = scales[h] & 0xFFu;
+    }
+    const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
+    auto load_words = [&](uint32_t (&words)[4], int bp) {
+        ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
+                                                                      bp + (lane >> 4)));
+    };
+    uint32_t w[4];
+    load_words(w, 0);
+#pragma unroll
+    for (int bp = 0; bp < SB; bp += 2) {
+        uint32_t next[4];
+        if (bp + 2 < SB) load_words(next, bp + 2);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int block = bp + q;
+            uint32_t a[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int d = (int)((scales[h] >> (8 * block)) & 0xFFu) - (int)row_base[h];
+                out_of_window |= (uint32_t)((uint32_t)(d - kFoldTableMinShift)
+                                            > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
+                                            && (w[2 * q + h] & 0x77777777u) != 0u) << h;
+                uint32_t lo, hi;
+                folded_e4m3_table(d, lo, hi);
+                const uint2 bytes = fp4_word_to_folded_e4m3(w[2 * q + h], lo, hi);
+                a[h] = bytes.x;       // k 4t..4t+3 of row g + 8h
+                a[2 + h] = bytes.y;   // k 16+4t..16+4t+3
+            }
+            wgmma_fence();
+            // Block b's 32 bytes of each token: chunks 2b, 2b + 1 of the swizzled rows.
+            wgmma_m64n144k32_e4m3(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
+                                  !first_of_tile || block > 0);
+            wgmma_commit();
+            wgmma_wait<1>();
+            if (block == 0) mbarrier_arrive_if(&empty[(s + kRing - 1) % kRing], s > 0);
+        }
+        if (bp + 2 < SB)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) w[i] = next[i];
+    }
+}
+
 // Stage 1 over wide tiles: work unit (wide tile, y, z) computes what
 // stage1_kernel's CTA (tile, y, z) does (intermediate columns [64y,
 // 64y+64), the z-th slice of K, SwiGLU and Qa or the slice's partial sums),
@@ -2265,16 +2457,25 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 // once its copies have landed and it has fenced them for the tensor cores'
 // reads (the async proxy), so it arrives a stage late, but marks a unit's
 // last stage before it looks up the next unit.
-template <int kTokens>
+// kFolded: act holds the folded E4M3 bytes of quantize_hidden_row_folded and
+// token_scale its tokens' scales; the consumers take
+// wide_compute_stage_folded, and the epilogue multiplies each sum by its
+// row's and token's scales. A unit with a weight row or a token that does
+// not fold sets *redo_tiles to the tile count, so that the bf16 kernel
+// launched next (the same kernel without kFolded, over *redo_tiles tiles,
+// none otherwise) computes all of stage 1 again, exactly.
+template <int kTokens, bool kFolded>
 __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage1_wide_kernel(
         const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
+        const float* __restrict__ token_scale,
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks, int columns,
         int slices, uint8_t* __restrict__ inter, float2* __restrict__ partial, int num_pairs,
-        const __grid_constant__ TensorMap weight_map) {
+        int* __restrict__ redo_tiles, const __grid_constant__ TensorMap weight_map) {
     using W = WideStage1<kTokens>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
+    constexpr int kActValueBytes = kFolded ? 1 : 2;
     extern __shared__ __align__(16) uint8_t smem_base[];
     __shared__ uint64_t full[kRing], empty[kRing];
     wait_for_previous_kernel();
@@ -2283,6 +2484,13 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     if ((int)blockIdx.x >= units) return;
     uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* h = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
+    // kFolded: the units' token scales, unit n's in slot n % kRing, after h
+    // (kFoldedExtraBytes). A loader stores a unit's after issuing its first
+    // stage, so after waiting for the slot of the stage kRing before it:
+    // the consumers are then past unit n - kRing's epilogue whatever the
+    // units' stage counts (K slices of one stage included), and slot
+    // n % kRing is free. Its arrivals on that first stage come later.
+    float* unit_token_scale = h + kTokens * kStage1HStride;
     const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
     const int total_blocks = (d_hidden + kScaleBlock - 1) / kScaleBlock;
     const int expert_rows = 2 * d_expert_pad;
@@ -2310,7 +2518,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
 
     if (warp >= W::kConsumerWarps) {   // the loads
         const int p = tid - W::kConsumerWarps * 32;
-        constexpr int kChunks = SB * kScaleBlock * 2 / 16;                   // a token's 16-byte chunks per stage
+        constexpr int kChunks = SB * kScaleBlock * kActValueBytes / 16;     // a token's 16-byte chunks per stage
         constexpr int kTokensPerPass = W::kProducerWarps * 32 / kChunks;
         constexpr int kPasses = kTokens / kTokensPerPass;
         static_assert(kTokens % kTokensPerPass == 0, "token passes");
@@ -2319,7 +2527,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
         // Pass j's destination: kTokensPerPass / 8 swizzle atoms (1024 bytes each) after pass j - 1's.
         const int act_dst = W::kActOffset + W::act_offset(p / kChunks, chunk);
         constexpr int kScaleRows = kRows / (W::kProducerWarps * 32);
-        for (int u = blockIdx.x, s = 0; u < units; u += gridDim.x) {
+        for (int u = blockIdx.x, s = 0, n = 0; u < units; u += gridDim.x, ++n) {
             const Unit unit = unit_at(u);
             // This thread's tokens p / kChunks + kTokensPerPass * j: where
             // its chunk of their act rows starts at the unit's first K block
@@ -2332,13 +2540,21 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             // (ncu, H200).
             const uint8_t* src[kPasses];
             uint32_t valid_tokens = 0;
+            // kFolded, chunk 0's threads: the tokens' scales, stored into
+            // unit_token_scale once the unit's first copies are issued (the
+            // loads' round trip then delays no copy).
+            float unit_scales[kFolded ? kPasses : 1];
 #pragma unroll
             for (int j = 0; j < kPasses; ++j) {
                 const int token = p / kChunks + kTokensPerPass * j;
                 const bool valid = token < unit.tile.rows;
-                src[j] = act + (valid ? (size_t)sorted_tokens[unit.tile.row_start + token] * d_hidden_pad * 2 : 0)
-                         + (size_t)unit.first_block * (kScaleBlock * 2) + chunk * 16;
+                src[j] = act + (valid ? (size_t)sorted_tokens[unit.tile.row_start + token] * d_hidden_pad
+                                        * kActValueBytes : 0)
+                         + (size_t)unit.first_block * (kScaleBlock * kActValueBytes) + chunk * 16;
                 valid_tokens |= (uint32_t)valid << j;
+                if constexpr (kFolded)
+                    if (chunk == 0)
+                        unit_scales[j] = valid ? token_scale[sorted_tokens[unit.tile.row_start + token]] : 0.0f;
             }
             // Local weight rows p, p + 32 * kProducerWarps, ...: their scales (stage1_kernel's weight_row_of).
             const uint8_t* scale_src[kScaleRows];
@@ -2363,7 +2579,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                                     unit.tile.expert * expert_rows + unit.col0 + i * d_expert_pad, &full[slot]);
                 }
                 const uint32_t copied = chunk / (kChunks / SB) < valid_blocks ? valid_tokens : 0u;
-                const size_t k_offset = (size_t)block0 * (kScaleBlock * 2);
+                const size_t k_offset = (size_t)block0 * (kScaleBlock * kActValueBytes);
 #pragma unroll
                 for (int j = 0; j < kPasses; ++j)
                     cp_async_16(base + act_dst + j * (kTokensPerPass / 8 * 1024), src[j] + k_offset,
@@ -2373,6 +2589,14 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                     cp_async_small<4>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB,
                                       scale_src[i] + block0, min(SB, valid_blocks));
                 cp_async_commit();
+                if constexpr (kFolded)
+                    if (stage == 0 && chunk == 0)   // before this thread's arrival on the unit's first stage
+#pragma unroll
+                        for (int j = 0; j < kPasses; ++j) {
+                            unit_token_scale[n % kRing * kTokens + p / kChunks + kTokensPerPass * j] =
+                                unit_scales[j];
+                            if (isnan(unit_scales[j])) *redo_tiles = num_tiles;   // Qa could not fold the token
+                        }
                 if (stage > 0) {   // the previous stage's copies have landed: fence them, mark that stage full
                     cp_async_wait<1>();
                     fence_async_shared();
@@ -2394,13 +2618,43 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
-    for (int u = blockIdx.x, s = 0; u < units; u += gridDim.x) {
+    for (int u = blockIdx.x, s = 0, n = 0; u < units; u += gridDim.x, ++n) {
         const Unit unit = unit_at(u);
-        for (int stage = 0; stage < unit.n_stages; ++stage, ++s)
-            wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane, [](int r) {
-                return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
-            });
-        wgmma_wait<0>();
+        if constexpr (kFolded) {
+            auto smem_row = [](int r) { return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7); };
+            uint32_t row_base[2] = {0u, 0u}, out_of_window = 0;
+            for (int stage = 0; stage < unit.n_stages; ++stage, ++s)
+                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane,
+                                                          smem_row, row_base, out_of_window);
+            wgmma_wait<0>();
+            // The sums times their rows' and tokens' scales (NaN for a row
+            // that met a block outside its fold, or a token Qa could not fold).
+            // A quad's four threads hold K quarters of the same two rows. A
+            // first scale byte of 255 (NaN) folds nothing: the bf16 kernel
+            // gives those rows' NaN.
+            out_of_window |= (uint32_t)(row_base[0] == 255u) | (uint32_t)(row_base[1] == 255u) << 1;
+            out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 1);
+            out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 2);
+            if (out_of_window) *redo_tiles = num_tiles;
+            const float nan = __int_as_float(0x7FC00000);
+            const float gate_scale = out_of_window & 1u ? nan : exact_pow2((int)row_base[0] - 127);
+            const float up_scale = out_of_window & 2u ? nan : exact_pow2((int)row_base[1] - 127);
+            const float* tokens = unit_token_scale + n % kRing * kTokens;
+#pragma unroll
+            for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const float token = tokens[nt * 8 + 2 * t + j];
+                    acc[nt][j] = acc[nt][j] * gate_scale * token;
+                    acc[nt][2 + j] = acc[nt][2 + j] * up_scale * token;
+                }
+        } else {
+            for (int stage = 0; stage < unit.n_stages; ++stage, ++s)
+                wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane, [](int r) {
+                    return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
+                });
+            wgmma_wait<0>();
+        }
         if (slices > 1) {
             float2* out = partial + (size_t)(unit.first_block / split_blocks) * num_pairs * d_expert_pad;
 #pragma unroll
@@ -2434,8 +2688,13 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
 
 // Explicit instantiations, as for the GEMM configs: stage 2 of both widths,
 // stage 1 of 144 tokens.
-template __global__ void stage1_wide_kernel<144>(const uint8_t*, const uint8_t*, const int*, const int*, const int2*,
-    const int*, int, int, int, int, int, int, int, uint8_t*, float2*, int, const __grid_constant__ TensorMap);
+#define MOE_INSTANTIATE_WIDE_STAGE1(FOLDED)                                                                     \
+    template __global__ void stage1_wide_kernel<144, FOLDED>(const uint8_t*, const uint8_t*, const float*,       \
+        const int*, const int*, const int2*, const int*, int, int, int, int, int, int, int, uint8_t*, float2*,   \
+        int, int*, const __grid_constant__ TensorMap);
+MOE_INSTANTIATE_WIDE_STAGE1(false)
+MOE_INSTANTIATE_WIDE_STAGE1(true)
+#undef MOE_INSTANTIATE_WIDE_STAGE1
 #define MOE_INSTANTIATE_WIDE_STAGE2(N)                                                                         \
     template __global__ void stage2_wide_kernel<N>(const uint8_t*, const int*, const float*, const int*,       \
         const int2*, const int*, int, int, int, int, float*, const __grid_constant__ TensorMap,                \
@@ -2569,12 +2828,18 @@ __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
 }
 // Activations in the GEMMs' format (bf16 values, or FP8: E4M3 codes with
 // fp32 block scales in `scale`, undefined for bf16) as raw bytes.
+// folded: the wide stage 1's folded E4M3 bytes, a scale per row, and the
+// rows as bf16 values for its fallback (quantize_hidden_row_folded).
 struct Activations {
-    torch::Tensor values, scale;
-    Activations(int rows, int k_padded, bool fp8, const torch::TensorOptions& options)
-        : values(torch::empty({rows, k_padded * (fp8 ? 1 : 2)}, options.dtype(torch::kUInt8))),
-          scale(fp8 ? torch::empty({rows, k_padded / kScaleBlock}, options.dtype(torch::kFloat32)) : torch::Tensor()) {}
+    torch::Tensor values, scale, fallback;
+    Activations(int rows, int k_padded, bool fp8, bool folded, const torch::TensorOptions& options)
+        : values(torch::empty({rows, k_padded * (fp8 || folded ? 1 : 2)}, options.dtype(torch::kUInt8))),
+          scale(fp8 || folded ? torch::empty({rows, folded ? 1 : k_padded / kScaleBlock},
+                                             options.dtype(torch::kFloat32))
+                              : torch::Tensor()),
+          fallback(folded ? torch::empty({rows, k_padded * 2}, options.dtype(torch::kUInt8)) : torch::Tensor()) {}
     uint8_t* bytes() const { return values.data_ptr<uint8_t>(); }
+    uint8_t* fallback_bytes() const { return fallback.data_ptr<uint8_t>(); }
     float* scales() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
 };
 
@@ -2762,13 +3027,20 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
 // The wide kernels (bf16 warpgroup MMAs), with stage 1's K slices and stage
 // 2's row tiles per CTA sized for the CTAs per SM the kernels get and the
 // tile count the routing is expected to give.
+// folded (c.act holds quantize_hidden_row_folded's bytes): the e4m3 kernel,
+// then the bf16 one over *redo_tiles tiles (none unless a unit did not fold:
+// its CTAs then leave at once) on the bf16 rows, both before the one fix-up
+// of K slices.
 template <int kTokens>
-void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
+void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* redo_tiles) {
     using W = WideStage1<kTokens>;
     TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
-    const auto stage1 = stage1_wide_kernel<kTokens>;
+    const auto stage1 = stage1_wide_kernel<kTokens, false>;
+    const auto stage1_folded = stage1_wide_kernel<kTokens, true>;
+    constexpr int kFoldedSharedBytes = W::kSharedBytes + W::kFoldedExtraBytes;
     allow_shared_memory(stage1, W::kSharedBytes);
+    allow_shared_memory(stage1_folded, kFoldedSharedBytes);
     const int k_blocks = c.k_blocks1();
     const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
@@ -2776,11 +3048,23 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t) {
     // Persistent CTAs: every CTA slot, or fewer if the most units the routing can give are fewer.
     const long long units = (long long)t.max_tiles * c.columns1() * n_slices;
     const long long slots = (long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count();
-    launch_after_previous(stage1, dim3((unsigned)std::max(1LL, std::min(units, slots))),
-        W::kThreads, W::kSharedBytes, c.stream,
-        c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count,
-        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.columns1(), n_slices,
-        c.inter.bytes(), slices.partial_ptr(), c.num_pairs, gate_up_map(c, W::kStageBlocks));
+    const dim3 grid((unsigned)std::max(1LL, std::min(units, slots)));
+    auto launch = [&](auto kernel, int shared_bytes, const uint8_t* act, const float* token_scale,
+                      const int* num_tiles) {
+        launch_after_previous(kernel, grid, W::kThreads, shared_bytes, c.stream,
+            c.gate_up_scale.data_ptr<uint8_t>(), act, token_scale, c.sorted_tokens, c.expert_offsets, t.tiles,
+            num_tiles, c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.columns1(),
+            n_slices, c.inter.bytes(), slices.partial_ptr(), c.num_pairs, redo_tiles,
+            gate_up_map(c, W::kStageBlocks));
+    };
+    if (folded) {
+        TORCH_CHECK(ctas_per_sm(stage1_folded, W::kThreads, kFoldedSharedBytes) * sm_count() == slots,
+                    "moe_mxfp4: the folded wide stage 1 must fit the bf16 one's CTAs");
+        launch(stage1_folded, kFoldedSharedBytes, c.act.bytes(), c.act.scales(), t.count);
+        launch(stage1, W::kSharedBytes, c.act.fallback_bytes(), nullptr, redo_tiles);
+    } else {
+        launch(stage1, W::kSharedBytes, c.act.bytes(), nullptr, t.count);
+    }
     launch_swiglu_quantize<false>(c, slices);
 }
 
@@ -2865,7 +3149,7 @@ torch::Tensor moe_forward(
     const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
     const int max_wide_tiles = wide_table ? num_pairs / wide_tile_tokens + std::min(n_experts, num_pairs) + 1 : 0;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
-    auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 1},
+    auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 2},
                                 int_opts);
     int2* tiles = reinterpret_cast<int2*>(routing.data_ptr<int>());
     int2* wide_tiles = tiles + max_tiles;
@@ -2875,8 +3159,12 @@ torch::Tensor moe_forward(
     int* sorted_tokens = expert_offsets + n_experts + 1;
     float* sorted_weights = reinterpret_cast<float*>(sorted_tokens + num_pairs);
     int* bad_ids = sorted_tokens + 2 * num_pairs;
-    const Activations act(m, d_hidden_pad, fp8, hidden_states.options());
-    const Activations inter(num_pairs, d_expert_pad, fp8, hidden_states.options());
+    int* redo_tiles = bad_ids + 1;   // the folded wide stage 1's fallback (launch_wide_stage1)
+    // 144-token wide tiles take folded E4M3 activations (the wide stage 1's
+    // e4m3 path) where one Qa CTA holds a token's whole row.
+    const bool folded = wide_tile_tokens == 144 && d_hidden_pad <= kPrepareColumns;
+    const Activations act(m, d_hidden_pad, fp8, folded, hidden_states.options());
+    const Activations inter(num_pairs, d_expert_pad, fp8, false, hidden_states.options());
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
     // What the host expects of the routing, to size grids and K slices.
@@ -2886,14 +3174,17 @@ torch::Tensor moe_forward(
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
-    const auto route_and_quantize = fp8 ? route_and_quantize_kernel<true> : route_and_quantize_kernel<false>;
+    const auto route_and_quantize = folded ? route_and_quantize_kernel<false, true>
+                                  : fp8  ? route_and_quantize_kernel<true, false>
+                                         : route_and_quantize_kernel<false, false>;
     allow_shared_memory(route_and_quantize, 3 * kMaxExperts * (int)sizeof(int));
     route_and_quantize<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns), kPrepareThreads,
                          route_smem, stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
         wide_table ? (int)wide_tile_tokens : 0, wide_tiles, num_wide_tiles,
-        bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>());
+        bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>(),
+        folded ? act.fallback_bytes() : nullptr, redo_tiles);
     MOE_CUDA_CHECK(cudaGetLastError());
 
     const MoeCall call{stream, num_pairs, n_experts, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,
@@ -2909,7 +3200,7 @@ torch::Tensor moe_forward(
 #define MOE_LAUNCH_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2)) launch_stage2<NT, MT2, WT, SB, STAGES, WG, FP8>(call, narrow);
     if (wide_tile_tokens == 144) {
-        launch_wide_stage1<144>(call, wide);
+        launch_wide_stage1<144>(call, wide, folded, redo_tiles);
         launch_wide_stage2<144>(call, wide);
     } else {
         MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1)

@@ -147,11 +147,12 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     print(report)
     assert returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # convert; route+quantise for both activation formats; SwiGLU+Qa of split stage 1 for both formats at
-    # 1, 2 and 4 rows per warp; the wide stage 2 of each wide tile width and the 144-token wide stage 1;
-    # and stage 1 and stage 2 for each GEMM config (one set for configs that differ in wide tiles only)
+    # convert; route+quantise for both activation formats and the folded one; SwiGLU+Qa of split stage 1 for
+    # both formats at 1, 2 and 4 rows per warp; the wide stage 2 of each wide tile width and the 144-token wide
+    # stage 1, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that differ
+    # in wide tiles only)
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
-    assert len(kernels) == 1 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(kernel_sets), kernels
+    assert len(kernels) == 1 + 3 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 2 + 2 * len(kernel_sets), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
@@ -315,6 +316,49 @@ def test_every_config_takes_the_wide_path_in_stage1(config):
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
     assert torch.isfinite(out).all()
+
+
+WIDE_144 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144)
+
+
+def with_first_block_scales_moved(data, rows, shift):
+    """data with the first scale block of the given gate/up weight rows moved
+    by `shift` binades (so the rows' other blocks sit -shift from it)."""
+    scales = data[3].view(torch.uint8).cpu().clone()
+    flat = scales.reshape(-1, scales.shape[-1])
+    flat[rows, 0] = (flat[rows, 0].to(torch.int32) + shift).clamp(1, 254).to(torch.uint8)
+    return with_replaced(data, 3, scales.to(data[3].device).view(data[3].dtype))
+
+
+@needs_cuda
+@pytest.mark.parametrize("shift", [-8, -4, 3, 8], ids=lambda n: f"shift{n}")
+def test_folded_wide_stage1_in_and_past_its_window(shift):
+    """The 144-token wide stage 1 folds each weight row's blocks against its
+    first block, exactly from -5 to 6 binades. Moving 40 rows' first blocks
+    by -4 or 3 binades leaves their other blocks inside that window (their
+    own exponents spread by about one binade); by -8 or 8 it puts them
+    outside, where the unit sets redo_tiles and the bf16 kernel computes
+    stage 1 again. Without that fallback the moved rows' outputs are NaN."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 41)
+    rows = torch.randint(0, data[3].shape[0], (40,), generator=torch.Generator().manual_seed(42))
+    data = with_first_block_scales_moved(data, rows, shift)
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
+
+
+@needs_cuda
+def test_folded_wide_stage1_falls_back_for_tokens_qa_cannot_fold():
+    """Tokens whose block exponents span more than E4M3's 15 binades (one
+    block of 1e4, the rest of 1e-3) have no folded bytes: Qa marks their
+    scale NaN and stage 1 runs again in bf16, exactly."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 43)
+    hidden = data[0].clone()
+    hidden[5] *= 1e-3
+    hidden[5, 64:96] = 1e4
+    hidden[17] *= 1e-3
+    hidden[17, 1000:1032] = -1e4
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(with_replaced(data, 0, hidden), run=lambda d: solution._run_kernels(module, d, WIDE_144))
 
 
 @needs_cuda
@@ -505,6 +549,7 @@ def test_custom_op_under_torch_compile_on_cuda():
 # ---------------------------------------------------------------------------
 HELPER_DRIVER = r"""
 #include <stdio.h>
+#include <stdlib.h>
 int main() {
     char kind[32];
     unsigned int x;
@@ -531,6 +576,14 @@ int main() {
         else if (!strcmp(kind, "fp8position")) out = moe::fp8_act_position((int)x);
         else if (!strcmp(kind, "above242")) out = moe::any_scale_above(x, moe::kFp8NarrowScale);
         else if (!strcmp(kind, "qa")) out = moe::float_to_bits(moe::exact_pow2(moe::qa_exponent(f)));
+        else if (!strcmp(kind, "shifted")) out = moe::e2m1_to_e4m3_shifted(x & 15u, (int)(x >> 4) - 8);
+        else if (!strcmp(kind, "foldposition")) out = moe::folded_act_position((int)x);
+        else if (!strncmp(kind, "foldx", 5) || !strncmp(kind, "foldy", 5)) {
+            uint32_t lo, hi;
+            moe::folded_e4m3_table(atoi(kind + 5), lo, hi);
+            const uint2 bytes = moe::fp4_word_to_folded_e4m3(x, lo, hi);
+            out = kind[4] == 'x' ? bytes.x : bytes.y;
+        }
         printf("%08x\n", out);
     }
     return 0;
@@ -629,6 +682,40 @@ def test_e2m1_code_matches_the_reference(helpers):
 def test_e2m1_values_match_the_reference(helpers):
     got = torch.tensor(helpers("value", range(16)), dtype=torch.int64).to(torch.int32).view(torch.float32)
     assert torch.equal(got, reference.e2m1_decode(torch.arange(16)).float())
+
+
+def e4m3_bytes(values):
+    return torch.tensor(values, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+
+
+def test_shifted_e4m3_is_the_exact_folded_value(helpers):
+    """Every E2M1 code times 2^d, over the fold's whole range of d, is the
+    E4M3 byte torch rounds that value to: exact, subnormals included."""
+    queries = [code | (d + 8) << 4 for d in range(-8, 7) for code in range(16)]
+    values = [v * 2.0 ** d for d in range(-8, 7) for v in reference.e2m1_decode(torch.arange(16)).tolist()]
+    assert all(torch.tensor(values).to(torch.float8_e4m3fn).float() == torch.tensor(values))
+    assert helpers("shifted", queries) == e4m3_bytes(values)
+
+
+def test_folded_words_follow_the_table_and_the_fragment_order(helpers):
+    """fp4_word_to_folded_e4m3 through folded_e4m3_table's table gives each
+    of a word's eight codes as e2m1_to_e4m3_shifted does (values 0-3 in .x,
+    4-7 in .y), for every shift the table covers; folded_act_position puts
+    a block's activations at the k those bytes take."""
+    words = [0, 0xFFFFFFFF, 0x88888888, 0x01234567, 0x89ABCDEF]
+    words += torch.randint(0, 2 ** 32, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    for d in range(-5, 7):
+        for half, kind in ((0, f"foldx{d}"), (1, f"foldy{d}")):
+            got = helpers(kind, words)
+            for word, out in zip(words, got):
+                codes = [(word >> (4 * (4 * half + i))) & 15 for i in range(4)]
+                expected = e4m3_bytes([v * 2.0 ** d for v in reference.e2m1_decode(torch.tensor(codes)).tolist()])
+                assert [(out >> (8 * i)) & 0xFF for i in range(4)] == expected, (hex(word), d, half)
+    positions = helpers("foldposition", range(32))
+    assert sorted(positions) == list(range(32))
+    for t in range(4):
+        for j in range(4):
+            assert positions[8 * t + j] == 4 * t + j and positions[8 * t + 4 + j] == 16 + 4 * t + j
 
 
 def test_fp4_pairs_are_bf16_values_times_2_pow_minus_126(helpers):
