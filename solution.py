@@ -1698,12 +1698,11 @@ __device__ __forceinline__ void quantize_hidden_columns(
 // folded_act_position, and token_scale[token] = 2^b. A block more than 14
 // binades below the row's largest has no exact bytes: its token's scale is
 // NaN, which sends the call's stage 1 to the bf16 wide kernel (see
-// launch_wide_stage1): so Qa also writes every row as bf16 values into
-// act_bf16, as quantize_hidden_columns<false> does.
+// launch_wide_stage1), which reads bf16 rows that quantize_fallback_rows_kernel
+// writes only then.
 __device__ __forceinline__ void quantize_hidden_row_folded(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad, uint8_t* __restrict__ act,
-        float* __restrict__ token_scale, uint8_t* __restrict__ act_bf16, float* __restrict__ accumulator,
-        int token) {
+        float* __restrict__ token_scale, float* __restrict__ accumulator, int token) {
     __shared__ int row_max;
     const int quad = threadIdx.x & 3, k = threadIdx.x * 8;
     const bool active = k < d_hidden_pad;   // whole quads: d_hidden_pad is a multiple of 32
@@ -1729,7 +1728,6 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
     uint8_t* block = act + (size_t)token * d_hidden_pad + (k - quad * 8);
     *reinterpret_cast<uint32_t*>(block + 4 * quad) = low;
     *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = high;
-    store_qa_bf16(act_bf16, d_hidden_pad, token, k, v, e, has_nan);
     float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
     zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1741,7 +1739,7 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
 // (quantize_hidden_columns), so that routing costs no launch of its own and
 // little time. kFolded: Qa for the wide stage 1's e4m3 path instead, a CTA
 // per token (quantize_hidden_row_folded; act_scale is then the tokens'
-// scales, act_bf16 the bf16 rows), and redo_tiles starts at zero.
+// scales), and redo_tiles starts at zero.
 constexpr int kPrepareThreads = 1024;
 constexpr int kPrepareColumns = kPrepareThreads * 8;
 template <bool kFp8, bool kFolded>
@@ -1753,7 +1751,7 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         int* __restrict__ num_wide_tiles,
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
         uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator,
-        uint8_t* __restrict__ act_bf16, int* __restrict__ redo_tiles) {
+        int* __restrict__ redo_tiles) {
     let_next_kernel_launch();   // a call's first kernel: launched normally, after whatever came before
     if constexpr (kFolded)
         if (blockIdx.x == 0 && threadIdx.x == 0) *redo_tiles = 0;
@@ -1765,11 +1763,41 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         return;
     }
     if constexpr (kFolded)
-        quantize_hidden_row_folded(hidden, d_hidden, d_hidden_pad, act, act_scale, act_bf16, accumulator,
-                                   blockIdx.x - 1);
+        quantize_hidden_row_folded(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1);
     else
         quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,
                                       blockIdx.y * kPrepareColumns + threadIdx.x * 8);
+}
+
+// The bf16 rows (Qa's values, as quantize_hidden_columns<false> stores them)
+// that the bf16 redo of a folded wide stage 1 reads, written only when the
+// e4m3 kernel asked for the redo: writing them in every call's Qa cost 6-7
+// us at bs=512 (BENCHMARKS, twenty-second session). Otherwise the CTAs
+// leave as soon as that kernel is done. Each warp takes 32 consecutive
+// eighths of rows, so a block's four eighths share a quad, as
+// load_hidden_eighth requires.
+constexpr int kFallbackRowsThreads = 256;
+__global__ void __launch_bounds__(kFallbackRowsThreads) quantize_fallback_rows_kernel(
+        const __nv_bfloat16* __restrict__ hidden, int tokens, int d_hidden, int d_hidden_pad,
+        const int* __restrict__ redo_tiles, uint8_t* __restrict__ act_bf16) {
+    // The redo kernel's CTAs may be placed now: it waits for this kernel's end.
+    let_next_kernel_launch();
+    wait_for_previous_kernel();
+    if (*redo_tiles == 0) return;
+    const int eighths_per_row = d_hidden_pad / 8;   // a multiple of 4: whole blocks
+    const long long eighths = (long long)tokens * eighths_per_row;
+    const int lane = threadIdx.x & 31;
+    for (long long warp_first = (long long)blockIdx.x * blockDim.x + threadIdx.x - lane; warp_first < eighths;
+         warp_first += (long long)gridDim.x * blockDim.x) {
+        const long long eighth = warp_first + lane;
+        const bool active = eighth < eighths;
+        const int token = active ? (int)(eighth / eighths_per_row) : 0;
+        const int k = active ? (int)(eighth % eighths_per_row) * 8 : 0;
+        float v[8], amax;
+        bool has_nan;
+        load_hidden_eighth(hidden, d_hidden, token, k, active, v, amax, has_nan);
+        if (active) store_qa_bf16(act_bf16, d_hidden_pad, token, k, v, qa_exponent(amax), has_nan);
+    }
 }
 
 constexpr int kStage1Columns = kRows / 2;  // intermediate columns per CTA
@@ -2092,7 +2120,7 @@ MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #define MOE_INSTANTIATE_ROUTE(FP8, FOLDED)                                                                 \
     template __global__ void route_and_quantize_kernel<FP8, FOLDED>(const int*, const float*, int, int, int, \
         int, int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int,        \
-        uint8_t*, float*, float*, uint8_t*, int*);
+        uint8_t*, float*, float*, int*);
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
     MOE_INSTANTIATE_ROUTE(FP8, false)                                                                      \
     MOE_INSTANTIATE_SWIGLU(FP8, 1)                                                                         \
@@ -2828,8 +2856,9 @@ __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
 }
 // Activations in the GEMMs' format (bf16 values, or FP8: E4M3 codes with
 // fp32 block scales in `scale`, undefined for bf16) as raw bytes.
-// folded: the wide stage 1's folded E4M3 bytes, a scale per row, and the
-// rows as bf16 values for its fallback (quantize_hidden_row_folded).
+// folded: the wide stage 1's folded E4M3 bytes (quantize_hidden_row_folded),
+// a scale per row, and room for the rows as bf16 values, which its redo
+// reads (quantize_fallback_rows_kernel).
 struct Activations {
     torch::Tensor values, scale, fallback;
     Activations(int rows, int k_padded, bool fp8, bool folded, const torch::TensorOptions& options)
@@ -2909,6 +2938,8 @@ struct MoeCall {
     const float* sorted_weights;
     const int* expert_offsets;
     torch::Tensor& accumulator;
+    const __nv_bfloat16* hidden;   // the call's hidden states, for the folded stage 1's fallback rows
+    int tokens;
     int k_blocks1() const { return (d_hidden + kScaleBlock - 1) / kScaleBlock; }
     int k_blocks2() const { return (d_expert + kScaleBlock - 1) / kScaleBlock; }
     int columns1() const { return (d_expert + kStage1Columns - 1) / kStage1Columns; }
@@ -3028,9 +3059,9 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
 // 2's row tiles per CTA sized for the CTAs per SM the kernels get and the
 // tile count the routing is expected to give.
 // folded (c.act holds quantize_hidden_row_folded's bytes): the e4m3 kernel,
-// then the bf16 one over *redo_tiles tiles (none unless a unit did not fold:
-// its CTAs then leave at once) on the bf16 rows, both before the one fix-up
-// of K slices.
+// then the bf16 rows and the bf16 kernel over *redo_tiles tiles on them
+// (none unless a unit did not fold: the CTAs of both then leave at once),
+// all before the one fix-up of K slices.
 template <int kTokens>
 void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* redo_tiles) {
     using W = WideStage1<kTokens>;
@@ -3061,6 +3092,9 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
         TORCH_CHECK(ctas_per_sm(stage1_folded, W::kThreads, kFoldedSharedBytes) * sm_count() == slots,
                     "moe_mxfp4: the folded wide stage 1 must fit the bf16 one's CTAs");
         launch(stage1_folded, kFoldedSharedBytes, c.act.bytes(), c.act.scales(), t.count);
+        // One CTA per SM: each fits beside an e4m3 CTA, to wait there for the flag.
+        launch_after_previous(quantize_fallback_rows_kernel, dim3(sm_count()), kFallbackRowsThreads, 0, c.stream,
+                              c.hidden, c.tokens, c.d_hidden, c.d_hidden_pad, redo_tiles, c.act.fallback_bytes());
         launch(stage1, W::kSharedBytes, c.act.fallback_bytes(), nullptr, redo_tiles);
     } else {
         launch(stage1, W::kSharedBytes, c.act.bytes(), nullptr, t.count);
@@ -3184,12 +3218,13 @@ torch::Tensor moe_forward(
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
         wide_table ? (int)wide_tile_tokens : 0, wide_tiles, num_wide_tiles,
         bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>(),
-        folded ? act.fallback_bytes() : nullptr, redo_tiles);
+        redo_tiles);
     MOE_CUDA_CHECK(cudaGetLastError());
 
     const MoeCall call{stream, num_pairs, n_experts, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,
                        (int)stage1_splits, (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight,
-                       down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator};
+                       down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator,
+                       bf16_ptr(hidden_states), m};
     const TileTable narrow{tiles, num_tiles, max_tiles, tiles_estimate};
     const TileTable wide = wide_table ? TileTable{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate}
                                           : TileTable{tiles, num_tiles, max_tiles, wide_tiles_estimate};
