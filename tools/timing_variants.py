@@ -20,13 +20,18 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import solution  # noqa: E402  (the wrapper generator of the e4m3 variant)
 
+# The e4m3 variants' m64n64k32 warpgroup MMA: solution.py builds the 144-token
+# one for its folded stage 1; this edit of its Python has it build both, as
+# one expression that no longer holds the edit's old text (so that two e4m3
+# variants combine: the second finds the second form and leaves it).
+_E4M3_64_WRAPPER = (('_wgmma_source(144, "e4m3") + r"""',
+                     '"".join(_wgmma_source(n, "e4m3") for n in (64, 144)) + r"""'),
+                    ('"".join(_wgmma_source(n, "e4m3") for n in (64, 144)) + r"""',
+                     '"".join(_wgmma_source(n, "e4m3") for n in (64, 144)) + r"""'))
 
-def _e4m3_wide_source() -> str:
-    """wgmma_e4m3_wide<kTokens>: solution.py's m64n{64,144}k32 e4m3 warpgroup
-    MMA wrappers (wide_e4m3_mma's MMAs) and a dispatcher over the two widths."""
-    return "".join(solution._wgmma_source(n, "e4m3") for n in (64, 144)) + """template <int kTokens>
+# wgmma_e4m3_wide<kTokens>: wide_e4m3_mma's dispatcher over the two widths.
+_E4M3_WIDE_DISPATCH = """template <int kTokens>
 __device__ __forceinline__ void wgmma_e4m3_wide(float (&d)[kTokens / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
                                                 uint32_t accumulate) {
     if constexpr (kTokens == 144) wgmma_m64n144k32_e4m3(d, a, b_descriptor, accumulate);
@@ -40,23 +45,43 @@ __device__ __forceinline__ void wgmma_e4m3_wide(float (&d)[kTokens / 8][4], cons
 # shift added: two IMADs), then per four values a PRMT of the magnitudes and
 # the sign bits spread to bit 7 of each byte (PRMT, SHF, LOP3s). The shift
 # here is noise from the scale byte: the values are wrong, the instructions
-# are what folding would cost.
+# are what folding would cost. The block's scale byte in the low bits, its
+# fp4 word and its A fragment, as the kernel names them.
+def _e4m3_folded_fragment(indent: str, scale_byte: str, word: str, fragment: str) -> str:
+    lines = ["for (int h = 0; h < 2; ++h) {",
+             f"    const uint32_t shift = ({scale_byte} & 7u) * 0x08080808u;",
+             "    const uint32_t lut_lo = 0x3C383000u + (shift & 0xFFFFFF00u), lut_hi = 0x58504840u + shift;",
+             f"    const uint32_t word = {word};",
+             "#pragma unroll",
+             "    for (int half = 0; half < 2; ++half) {",
+             "        const uint32_t codes = word >> (16 * half);",
+             "        const uint32_t magnitudes = __byte_perm(lut_lo, lut_hi, codes & 0x7777u);",
+             "        const uint32_t spread = __byte_perm(codes, 0u, 0x1100u);",
+             f"        {fragment}[2 * half + h] = magnitudes | (spread & 0x80008000u) | (spread << 4 & 0x00800080u);",
+             "    }",
+             "}"]
+    return "".join(line + "\n" if line.startswith("#") else indent + line + "\n" for line in lines)
+
+
 _E4M3_FOLDED_BLOCK = (
-    "                for (int h = 0; h < 2; ++h) {\n"
-    "                    const uint32_t shift = (scales[h] >> (8 * block) & 7u) * 0x08080808u;\n"
-    "                    const uint32_t lut_lo = 0x3C383000u + (shift & 0xFFFFFF00u), lut_hi = 0x58504840u + shift;\n"
-    "                    const uint32_t word = w[2 * q + h];\n"
+    _e4m3_folded_fragment(" " * 16, "scales[h] >> (8 * block)", "w[2 * q + h]", "a[0]")
+    + "                wgmma_fence();\n"
+      "                wgmma_e4m3_wide<kTokens>(acc, a[0], act_descriptor + W::act_offset(0, block * 4) / 16,\n"
+      "                                         !first_of_tile || block > 0);\n")
+
+# The plain configs' block (the 64-token wgmma stage 1 and, unused on sm_90,
+# mma.sync's, whose MMAs then read the wrong registers): one e4m3 k32 MMA on
+# a folded-style fragment instead of two bf16 k16 ones.
+_E4M3_PLAIN_BLOCK = (
     "#pragma unroll\n"
-    "                    for (int half = 0; half < 2; ++half) {\n"
-    "                        const uint32_t codes = word >> (16 * half);\n"
-    "                        const uint32_t magnitudes = __byte_perm(lut_lo, lut_hi, codes & 0x7777u);\n"
-    "                        const uint32_t spread = __byte_perm(codes, 0u, 0x1100u);\n"
-    "                        a[0][2 * half + h] = magnitudes | (spread & 0x80008000u) | (spread << 4 & 0x00800080u);\n"
-    "                    }\n"
-    "                }\n"
-    "                wgmma_fence();\n"
-    "                wgmma_e4m3_wide<kTokens>(acc, a[0], act_descriptor + W::act_offset(0, block * 4) / 16,\n"
-    "                                         !first_of_tile || block > 0);\n")
+    "                for (int mt = 0; mt < MT; ++mt) {\n"
+    "                    (void)kWide;\n"
+    + _e4m3_folded_fragment(" " * 20, "scales[mt][h][block / 4] >> (8 * (block % 4))", "w[mt][2 * q + h]",
+                            "a[mt][0]")
+    + "                }\n"
+      "                if constexpr (S::kAsyncStages) {   // bf16 warpgroup MMAs\n"
+      "                    wgmma_fence();\n"
+      "                    wgmma_m64n64k32_e4m3(acc[0], a[0][0], act_descriptor + S::act_offset(0, block * 4) / 16, 1u);\n")
 
 # name: (what it removes, [edit, ...]), an edit being alternatives (old, new), ...
 VARIANTS = {
@@ -116,8 +141,9 @@ VARIANTS = {
         "fragments built as folded e4m3 would be (a magnitude table per row and block, signs spread), B the "
         "same activation bytes (wrong values): what e4m3 MMAs on folded operands could give the wide tiles "
         "before their activations shrink to one byte",
-        [(("    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n",
-           "    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n" + _e4m3_wide_source()),),
+        [_E4M3_64_WRAPPER,
+         (("    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n",
+           "    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n" + _E4M3_WIDE_DISPATCH),),
          (("                for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);\n"
            "                wgmma_fence();\n"
            "#pragma unroll\n"
@@ -125,6 +151,33 @@ VARIANTS = {
            "                    wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,\n"
            "                                       !first_of_tile || block > 0 || step > 0);\n",
            _E4M3_FOLDED_BLOCK),)]),
+    "plain_e4m3_mma": (
+        "the plain configs' warps (the 64-token wgmma stage 1) take one e4m3 m64n64k32 MMA per scale block "
+        "instead of two bf16 k16 ones, on A fragments built as folded e4m3 would be, B the same activation "
+        "bytes (wrong values): what e4m3 MMAs on folded operands could give the 64-token stage 1",
+        [_E4M3_64_WRAPPER,
+         (("#pragma unroll\n"
+           "                for (int mt = 0; mt < MT; ++mt)\n"
+           "#pragma unroll\n"
+           "                    for (int h = 0; h < 2; ++h)\n"
+           "                        bf16_fragment_half(a[mt], h, w[mt][2 * q + h], scales[mt][h][block / 4], block % 4, kWide);\n"
+           "                if constexpr (S::kAsyncStages) {   // bf16 warpgroup MMAs\n"
+           "                    // Both k16 steps of the block on the warpgroup, then wait\n"
+           "                    // only for the previous block's: converting the next block\n"
+           "                    // overlaps this one's MMAs.\n"
+           "                    wgmma_fence();\n"
+           "#pragma unroll\n"
+           "                    for (int s = 0; s < 2; ++s)\n"
+           "                        wgmma_m64n64k16(acc[0], a[0][s], act_descriptor + S::act_offset(0, block * 4 + 2 * s) / 16, 1u);\n",
+           _E4M3_PLAIN_BLOCK),)]),
+    "plain_half_act_copy": (
+        "gemm_mainloop's cp.async activation copies halved (the plain and e4m3 configs' stage 1; the other "
+        "half of the tile's activations is stale shared memory): the copy instructions and L2 bytes of "
+        "one-byte (e4m3) activations",
+        [(("            for (int j = 0; j < S::kActChunks; ++j)\n"
+           "                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {",
+           "            for (int j = 0; j < (S::kActChunks + 1) / 2; ++j)\n"
+           "                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {"),)]),
 }
 
 
