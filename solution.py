@@ -3055,9 +3055,9 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
         S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
 }
 
-// The wide kernels (bf16 warpgroup MMAs), with stage 1's K slices and stage
-// 2's row tiles per CTA sized for the CTAs per SM the kernels get and the
-// tile count the routing is expected to give.
+// The wide kernels (bf16 warpgroup MMAs; e4m3 for the folded stage 1), with
+// stage 1's K slices and stage 2's row tiles per CTA sized for the CTAs per
+// SM the kernels get and the tile count the routing is expected to give.
 // folded (c.act holds quantize_hidden_row_folded's bytes): the e4m3 kernel,
 // then the bf16 rows and the bf16 kernel over *redo_tiles tiles on them
 // (none unless a unit did not fold: the CTAs of both then leave at once),
