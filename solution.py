@@ -237,6 +237,23 @@ MOE_HD uint32_t e2m1_to_e4m3_shifted(uint32_t code, int d) {
     // here, and frac is 0 at -2: only code 1 gets that low).
     return sign | ((2u + frac) << (biased + 2)) >> 1;
 }
+// Stage 2's folded activations (fold_inter_rows_kernel) from Qa's bf16
+// values of the intermediate rows: the E4M3 byte of a value (bf16 bits:
+// zero, or +-{1, 1.5} * 2^x, an E2M1 code times a power of two) times
+// 2^-base, through e2m1_to_e4m3_shifted as code 2 (1.0) or 3 (1.5) shifted
+// by x - base. exact is false where no byte holds that value: below E4M3's
+// subnormals or above 384 at that base, NaN, infinity, a bf16 subnormal.
+MOE_HD uint32_t qa_bf16_to_folded_e4m3(uint32_t bits, int base, bool& exact) {
+    const uint32_t sign = bits >> 15 & 1u, field = bits >> 7 & 0xFFu, mantissa = bits & 0x7Fu;
+    if (field == 0) {
+        exact = mantissa == 0;
+        return exact ? sign << 7 : 0u;
+    }
+    const bool one_and_half = mantissa == 0x40u;
+    const int d = (int)field - 127 - base;
+    exact = field != 255 && (mantissa == 0 || one_and_half) && d >= (one_and_half ? -8 : -9) && d <= 8;
+    return exact ? e2m1_to_e4m3_shifted((one_and_half ? 3u : 2u) | sign << 3, d) : 0u;
+}
 // Where the wide stage 1's folded activations put a block's value p: its
 // weight fragments (fp4_word_to_folded_e4m3) give word t's values 0-3 as k
 // 4t..4t+3 and values 4-7 as k 16+4t..16+4t+3 of the k32 MMA.
@@ -1698,7 +1715,7 @@ __device__ __forceinline__ void quantize_hidden_columns(
 // folded_act_position, and token_scale[token] = 2^b. A block more than 14
 // binades below the row's largest has no exact bytes: its token's scale is
 // NaN, which sends the call's stage 1 to the bf16 wide kernel (see
-// launch_wide_stage1), which reads bf16 rows that quantize_fallback_rows_kernel
+// launch_wide_stage1), which reads bf16 rows that folded_fallback_kernel
 // writes only then.
 __device__ __forceinline__ void quantize_hidden_row_folded(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad, uint8_t* __restrict__ act,
@@ -1739,7 +1756,8 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
 // (quantize_hidden_columns), so that routing costs no launch of its own and
 // little time. kFolded: Qa for the wide stage 1's e4m3 path instead, a CTA
 // per token (quantize_hidden_row_folded; act_scale is then the tokens'
-// scales), and redo_tiles starts at zero.
+// scales), and redo_tiles[0] (stage 1's redo tile count) and redo_tiles[1]
+// (stage 2's redo flag) start at zero.
 constexpr int kPrepareThreads = 1024;
 constexpr int kPrepareColumns = kPrepareThreads * 8;
 template <bool kFp8, bool kFolded>
@@ -1753,8 +1771,8 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator,
         int* __restrict__ redo_tiles) {
     let_next_kernel_launch();   // a call's first kernel: launched normally, after whatever came before
-    if constexpr (kFolded)
-        if (blockIdx.x == 0 && threadIdx.x == 0) *redo_tiles = 0;
+    if constexpr (kFolded)   // stage 1's redo tile count, and stage 2's redo flag after it
+        if (blockIdx.x == 0 && threadIdx.x == 0) redo_tiles[0] = redo_tiles[1] = 0;
     if (blockIdx.x == 0) {   // CTA-uniform: route_pairs' barriers see every thread
         if (blockIdx.y == 0)
             route_pairs(topk_ids, topk_weights, num_pairs, top_k, n_experts, tile_tokens, expert_offsets, tiles,
@@ -1769,19 +1787,57 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
                                       blockIdx.y * kPrepareColumns + threadIdx.x * 8);
 }
 
-// The bf16 rows (Qa's values, as quantize_hidden_columns<false> stores them)
-// that the bf16 redo of a folded wide stage 1 reads, written only when the
-// e4m3 kernel asked for the redo: writing them in every call's Qa cost 6-7
-// us at bs=512 (BENCHMARKS, twenty-second session). Otherwise the CTAs
-// leave as soon as that kernel is done. Each warp takes 32 consecutive
-// eighths of rows, so a block's four eighths share a quad, as
+// The folded path's fallbacks, run by CTAs that sit beside the e4m3 wide
+// stage 1's (launch_wide_stage1). First, while that kernel runs, whether
+// every down-weight row folds for the e4m3 wide stage 2
+// (wide_compute_stage_folded, against the row's first block): a row folds
+// when its first k_blocks2 scale bytes all lie within kFoldTableMinShift..
+// kFoldMaxShift of the first, none is 255, and the first is at least
+// kFoldMinFirstScale. That is judged on the scales alone, so a row whose
+// out-of-window blocks hold only zeros falls back too. Any row that does
+// not fold sets *stage2_redo (zeroed by the routing kernel). Then, once
+// stage 1's e4m3 kernel is done and only if it asked for its redo, the
+// bf16 rows (Qa's values, as quantize_hidden_columns<false> stores them)
+// that the redo reads: writing them in every call's Qa cost 6-7 us at
+// bs=512 (BENCHMARKS, twenty-second session). Each warp takes 32
+// consecutive eighths of rows, so a block's four eighths share a quad, as
 // load_hidden_eighth requires.
-constexpr int kFallbackRowsThreads = 256;
-__global__ void __launch_bounds__(kFallbackRowsThreads) quantize_fallback_rows_kernel(
+constexpr int kFallbackThreads = 256;
+// A stage-2 row's sums are multiplied by 2^(first scale - 127): at least
+// 2^-95 keeps a sum of the smallest products (2^-18 each) a normal float.
+constexpr int kFoldMinFirstScale = 32;
+__global__ void __launch_bounds__(kFallbackThreads) folded_fallback_kernel(
         const __nv_bfloat16* __restrict__ hidden, int tokens, int d_hidden, int d_hidden_pad,
-        const int* __restrict__ redo_tiles, uint8_t* __restrict__ act_bf16) {
+        const int* __restrict__ redo_tiles, uint8_t* __restrict__ act_bf16,
+        const uint8_t* __restrict__ down_scale, int n_experts, int d_expert_pad, int k_blocks2,
+        int* __restrict__ stage2_redo) {
     // The redo kernel's CTAs may be placed now: it waits for this kernel's end.
     let_next_kernel_launch();
+    // The down scales are inputs, not any earlier kernel's output: checked
+    // before the wait, in stage 1's shadow. Rows of d_expert_pad / 32 bytes,
+    // a multiple of 8 (the host checks d_expert_pad % 256).
+    const int scale_len = d_expert_pad / kScaleBlock;
+    const long long weight_rows = (long long)n_experts * d_hidden;
+    bool all_fold = true;
+    for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < weight_rows;
+         r += (long long)gridDim.x * blockDim.x) {
+        const uint2* row = reinterpret_cast<const uint2*>(
+            down_scale + ((size_t)(r / d_hidden) * d_hidden_pad + (size_t)(r % d_hidden)) * scale_len);
+        const uint2 head = row[0];
+        const int first = (int)(head.x & 0xFFu);
+        all_fold &= first != 255 && first >= kFoldMinFirstScale;
+        for (int word = 0; word < (k_blocks2 + 7) / 8; ++word) {
+            const uint2 bytes = word == 0 ? head : row[word];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int scale = (int)(((j < 4 ? bytes.x : bytes.y) >> (8 * (j & 3))) & 0xFFu);
+                const bool in_k = 8 * word + j < k_blocks2;
+                all_fold &= !in_k || (scale != 255 && scale - first >= kFoldTableMinShift
+                                      && scale - first <= kFoldMaxShift);
+            }
+        }
+    }
+    if (!all_fold) *stage2_redo = 1;
     wait_for_previous_kernel();
     if (*redo_tiles == 0) return;
     const int eighths_per_row = d_hidden_pad / 8;   // a multiple of 4: whole blocks
@@ -2286,126 +2342,8 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4],
         compute(false);
 }
 
-template <int kTokens>
-__global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage2_wide_kernel(
-        const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
-        const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
-        const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator,
-        const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
-    using W = WideStage2<kTokens>;
-    constexpr int SB = W::kStageBlocks, kRing = W::kRing;
-    extern __shared__ __align__(16) uint8_t smem_base[];
-    __shared__ uint64_t full[kRing], empty[kRing];
-    wait_for_previous_kernel();
-    let_next_kernel_launch();
-    // The CTA's row tiles: its even share (gridDim.x CTAs, items/gridDim.x
-    // each, rounded up or down) of the list of every (tile, row tile) pair
-    // of the routing's actual tiles, tile-major, so that CTAs cross tile
-    // boundaries and every one streams as many row tiles whatever the tile
-    // count (a CTA per tile and group of row tiles left a last wave of a few
-    // CTAs: 38 tiles x 7 groups = 266 CTAs on 132 SMs at bs=512 E=33).
-    const int grid_rows = (d_hidden + kRows - 1) / kRows;
-    const long long items = (long long)*num_wide_tiles * grid_rows;
-    const int first_item = (int)(blockIdx.x * items / gridDim.x);
-    const int cta_tiles = (int)((blockIdx.x + 1) * items / gridDim.x) - first_item;
-    if (cta_tiles <= 0) return;
-    // Row tile i's table entry (expert, first sorted row) and first output row.
-    auto entry_of = [&](int i) { return wide_tiles[(first_item + i) / grid_rows]; };
-    auto row_of = [&](int i) { return (first_item + i) % grid_rows * kRows; };
-    uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
-    float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
-    // The warp index through a shuffle: warp-uniform to ptxas, so that the
-    // consumer warps' MMAs are not in a path it thinks divergent.
-    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
-    const int k_blocks = (d_expert + kScaleBlock - 1) / kScaleBlock;
-    const int tile_stages = (k_blocks + SB - 1) / SB;
-    const int n_stages = tile_stages * cta_tiles;
-    if (tid == 0)
-        for (int j = 0; j < kRing; ++j) {
-            mbarrier_init(&full[j], 1 + 32);   // the TMA thread's arrival and bytes, each lane's scale copies
-            mbarrier_init(&empty[j], W::kConsumerWarps * 32);
-        }
-    fence_mbarrier_init();
-    __syncthreads();
-
-    if (warp == W::kConsumerWarps) {   // the loads
-        const int scale_len = d_expert_pad / kScaleBlock;
-        int2 entry;
-        int row = 0;
-        for (int s = 0; s < n_stages; ++s) {
-            const int slot = s % kRing, first_block = s % tile_stages * SB;
-            if (first_block == 0) {   // the next row tile
-                entry = entry_of(s / tile_stages);
-                row = row_of(s / tile_stages);
-            }
-            const uint8_t* scale = down_scale + ((size_t)entry.x * d_hidden_pad + row) * scale_len;
-            if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
-            uint8_t* base = smem + slot * W::kStageBytes;
-            if (lane == 0) {
-                // Whole boxes: past the GEMM's K the maps read zeros, and
-                // activation rows past the tile's end are other rows (or
-                // zeros), computed and discarded.
-                mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + W::kActBytes);
-                tma_load_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
-                            entry.x * d_hidden_pad + row, &full[slot]);
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,
-                                (first_block * kScaleBlock + h * 64) * 2, entry.y, &full[slot]);
-            }
-            // Rows lane + 32i: their four scale bytes, zero past k_blocks.
-            const int valid_bytes = min(SB, k_blocks - first_block);
-#pragma unroll
-            for (int i = 0; i < kRows / 32; ++i) {
-                const int r = lane + 32 * i;
-                cp_async_small<4>(base + W::kScaleOffset + r * SB, scale + (size_t)r * scale_len + first_block,
-                                  valid_bytes);
-            }
-            cp_async_arrive(&full[slot]);
-        }
-        return;
-    }
-
-    // Warp w: rows 16w..16w+15 (warpgroup w/4: rows 64(w/4)..+63).
-    const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
-    float acc[kTokens / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kTokens / 8; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
-    // The epilogues' tiles, looked up a row tile ahead: the table entry
-    // before the row tile's MMAs, its expert's end after the previous
-    // epilogue, so that these two dependent loads are not on each row tile's
-    // critical path (stage 2 at bs=512 E=33 d2048: 316 us against 320).
-    int2 entry = entry_of(0);
-    int expert_end = expert_offsets[entry.x + 1];
-    // Row tiles, each its stages and then its epilogue (one loop over all
-    // stages, with the epilogue inside, made ptxas wait for every stage's
-    // last MMAs, C7517).
-    for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
-        const int2 next_entry = entry_of(min(row_tile + 1, cta_tiles - 1));
-        for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
-            wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
-                                      [](int r) { return r; });
-        // The row tile done: add it into the accumulator.
-        wgmma_wait<0>();
-#pragma unroll
-        for (int nt = 0; nt < kTokens / 8; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
-        named_barrier_sync(1, W::kConsumerWarps * 32);
-        add_weighted_rows(y, Tile{entry.x, entry.y, min(kTokens, expert_end - entry.y)}, row_of(row_tile),
-                          d_hidden, sorted_tokens, sorted_weights, accumulator, d_hidden_pad, tid,
-                          W::kConsumerWarps * 32);
-        entry = next_entry;
-        expert_end = expert_offsets[entry.x + 1];
-        named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
-    }
-}
-
-// wide_compute_stage for stage 1's folded activations (act_folded): each
+// wide_compute_stage for folded activations (stage 1's from
+// quantize_hidden_row_folded, stage 2's from fold_inter_rows_kernel): each
 // block is one e4m3 k32 MMA, on weight bytes folded against row_base, the
 // warp's rows' scale bytes at the unit's first block (kept from stage 0): a
 // block of scale byte s gives v * 2^(s - base) (folded_e4m3_table, exact for
@@ -2467,6 +2405,224 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         if (bp + 2 < SB)
 #pragma unroll
             for (int i = 0; i < 4; ++i) w[i] = next[i];
+    }
+}
+
+// Stage 2's folded activations, from the bf16 rows of inter (Qa's values,
+// at act_position in each block) once stage 1 has written them: a warp per
+// row, each lane a block at a time, finds the row's largest exponent x and
+// writes each value times 2^-base, base = x - 8 (at least -127), as the
+// E4M3 byte qa_bf16_to_folded_e4m3 gives, at folded_act_position, and the
+// row's routing weight times 2^base into folded_weights (stage 2 then
+// multiplies its sums by that instead of the weight). A row with a value
+// no byte holds exactly (17 binades or more below the row's largest, or
+// not finite), or whose largest is below 2^-92, sets *stage2_redo, and
+// stage 2 runs in bf16 instead.
+constexpr int kFoldInterThreads = 256;
+__global__ void __launch_bounds__(kFoldInterThreads) fold_inter_rows_kernel(
+        const uint8_t* __restrict__ inter, int num_pairs, int d_expert_pad, const float* __restrict__ sorted_weights,
+        uint8_t* __restrict__ folded, float* __restrict__ folded_weights, int* __restrict__ stage2_redo) {
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
+    const int lane = threadIdx.x & 31, blocks = d_expert_pad / kScaleBlock;
+    const int warps = gridDim.x * (kFoldInterThreads / 32);
+    for (int row = blockIdx.x * (kFoldInterThreads / 32) + threadIdx.x / 32; row < num_pairs; row += warps) {
+        // A block's 32 bf16 values: four 16-byte chunks.
+        const uint4* values = reinterpret_cast<const uint4*>(inter + (size_t)row * d_expert_pad * 2);
+        uint32_t largest = 0;   // exponent field; NaN and infinity (255) make the row fail below
+        for (int block = lane; block < blocks; block += 32)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const uint4 chunk = values[4 * block + c];
+                const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const uint32_t field = words[j / 2] >> (16 * (j & 1) + 7) & 0xFFu;
+                    largest = field == 255u ? largest : max(largest, field);
+                }
+            }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+            largest = max(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
+        const int base = max((int)largest - 127 - 8, -127);
+        bool exact = true;
+        for (int block = lane; block < blocks; block += 32) {
+            uint32_t bytes[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const uint4 chunk = values[4 * block + c];
+                const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    // act_position 8c + j holds value 8q + 4h + c (q = j / 2, h = j % 2).
+                    const int position = folded_act_position(8 * (j >> 1) + 4 * (j & 1) + c);
+                    bool value_exact;
+                    const uint32_t byte = qa_bf16_to_folded_e4m3(words[j / 2] >> (16 * (j & 1)) & 0xFFFFu, base,
+                                                                 value_exact);
+                    exact &= value_exact;
+                    bytes[position / 4] |= byte << (8 * (position % 4));
+                }
+            }
+            uint4* out = reinterpret_cast<uint4*>(folded + (size_t)row * d_expert_pad + block * kScaleBlock);
+            out[0] = make_uint4(bytes[0], bytes[1], bytes[2], bytes[3]);
+            out[1] = make_uint4(bytes[4], bytes[5], bytes[6], bytes[7]);
+        }
+        // A base near 2^-127 would make the weight times 2^base subnormal.
+        if (!__all_sync(0xFFFFFFFFu, exact && base > -100) && lane == 0) *stage2_redo = 1;
+        if (lane == 0) folded_weights[row] = sorted_weights[row] * exact_pow2(base);
+    }
+}
+
+// kFolded: the e4m3 form, on fold_inter_rows_kernel's bytes (inter_map
+// over them, one 128-byte box per stage) and its folded_weights (passed as
+// sorted_weights); the down-weight rows fold against their first block
+// (wide_compute_stage_folded), and each sum is multiplied by its row's
+// 2^(first scale - 127) before the epilogue. Whether everything folds was
+// decided before it started (folded_fallback_kernel for the weights,
+// fold_inter_rows_kernel for the activations): if not, it sets
+// *stage2_redo to the tile count and leaves, and the bf16 kernel launched
+// next over *stage2_redo tiles does all of stage 2 (no CTA may add partial
+// sums first: the adds are atomic and final). Otherwise that kernel's CTAs
+// leave at once.
+template <int kTokens, bool kFolded>
+__global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage2_wide_kernel(
+        const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
+        const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
+        const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator,
+        int* __restrict__ stage2_redo,
+        const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
+    using W = WideStage2<kTokens>;
+    constexpr int SB = W::kStageBlocks, kRing = W::kRing;
+    constexpr int kActBytes = kFolded ? W::kActBytes / 2 : W::kActBytes;   // one-byte activations
+    extern __shared__ __align__(16) uint8_t smem_base[];
+    __shared__ uint64_t full[kRing], empty[kRing];
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
+    if constexpr (kFolded)
+        if (*stage2_redo != 0) {   // CTA-uniform
+            if (blockIdx.x == 0 && threadIdx.x == 0) *stage2_redo = *num_wide_tiles;
+            return;
+        }
+    // The CTA's row tiles: its even share (gridDim.x CTAs, items/gridDim.x
+    // each, rounded up or down) of the list of every (tile, row tile) pair
+    // of the routing's actual tiles, tile-major, so that CTAs cross tile
+    // boundaries and every one streams as many row tiles whatever the tile
+    // count (a CTA per tile and group of row tiles left a last wave of a few
+    // CTAs: 38 tiles x 7 groups = 266 CTAs on 132 SMs at bs=512 E=33).
+    const int grid_rows = (d_hidden + kRows - 1) / kRows;
+    const long long items = (long long)*num_wide_tiles * grid_rows;
+    const int first_item = (int)(blockIdx.x * items / gridDim.x);
+    const int cta_tiles = (int)((blockIdx.x + 1) * items / gridDim.x) - first_item;
+    if (cta_tiles <= 0) return;
+    // Row tile i's table entry (expert, first sorted row) and first output row.
+    auto entry_of = [&](int i) { return wide_tiles[(first_item + i) / grid_rows]; };
+    auto row_of = [&](int i) { return (first_item + i) % grid_rows * kRows; };
+    uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
+    float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
+    // The warp index through a shuffle: warp-uniform to ptxas, so that the
+    // consumer warps' MMAs are not in a path it thinks divergent.
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
+    const int k_blocks = (d_expert + kScaleBlock - 1) / kScaleBlock;
+    const int tile_stages = (k_blocks + SB - 1) / SB;
+    const int n_stages = tile_stages * cta_tiles;
+    if (tid == 0)
+        for (int j = 0; j < kRing; ++j) {
+            mbarrier_init(&full[j], 1 + 32);   // the TMA thread's arrival and bytes, each lane's scale copies
+            mbarrier_init(&empty[j], W::kConsumerWarps * 32);
+        }
+    fence_mbarrier_init();
+    __syncthreads();
+
+    if (warp == W::kConsumerWarps) {   // the loads
+        const int scale_len = d_expert_pad / kScaleBlock;
+        int2 entry;
+        int row = 0;
+        for (int s = 0; s < n_stages; ++s) {
+            const int slot = s % kRing, first_block = s % tile_stages * SB;
+            if (first_block == 0) {   // the next row tile
+                entry = entry_of(s / tile_stages);
+                row = row_of(s / tile_stages);
+            }
+            const uint8_t* scale = down_scale + ((size_t)entry.x * d_hidden_pad + row) * scale_len;
+            if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
+            uint8_t* base = smem + slot * W::kStageBytes;
+            if (lane == 0) {
+                // Whole boxes: past the GEMM's K the maps read zeros, and
+                // activation rows past the tile's end are other rows (or
+                // zeros), computed and discarded.
+                mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + kActBytes);
+                tma_load_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
+                            entry.x * d_hidden_pad + row, &full[slot]);
+                if constexpr (kFolded)
+                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, entry.y, &full[slot]);
+                else
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,
+                                    (first_block * kScaleBlock + h * 64) * 2, entry.y, &full[slot]);
+            }
+            // Rows lane + 32i: their four scale bytes, zero past k_blocks.
+            const int valid_bytes = min(SB, k_blocks - first_block);
+#pragma unroll
+            for (int i = 0; i < kRows / 32; ++i) {
+                const int r = lane + 32 * i;
+                cp_async_small<4>(base + W::kScaleOffset + r * SB, scale + (size_t)r * scale_len + first_block,
+                                  valid_bytes);
+            }
+            cp_async_arrive(&full[slot]);
+        }
+        return;
+    }
+
+    // Warp w: rows 16w..16w+15 (warpgroup w/4: rows 64(w/4)..+63).
+    const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
+    float acc[kTokens / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+    // The epilogues' tiles, looked up a row tile ahead: the table entry
+    // before the row tile's MMAs, its expert's end after the previous
+    // epilogue, so that these two dependent loads are not on each row tile's
+    // critical path (stage 2 at bs=512 E=33 d2048: 316 us against 320).
+    int2 entry = entry_of(0);
+    int expert_end = expert_offsets[entry.x + 1];
+    // Row tiles, each its stages and then its epilogue (one loop over all
+    // stages, with the epilogue inside, made ptxas wait for every stage's
+    // last MMAs, C7517).
+    for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
+        const int2 next_entry = entry_of(min(row_tile + 1, cta_tiles - 1));
+        if constexpr (kFolded) {
+            uint32_t row_base[2] = {0u, 0u}, out_of_window = 0;   // all rows fold (folded_fallback_kernel)
+            for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
+                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row,
+                                                          lane, [](int r) { return r; }, row_base, out_of_window);
+            wgmma_wait<0>();
+            const float row_scale[2] = {exact_pow2((int)row_base[0] - 127), exact_pow2((int)row_base[1] - 127)};
+#pragma unroll
+            for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[nt][i] *= row_scale[i >> 1];
+        } else {
+            for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
+                wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
+                                                   [](int r) { return r; });
+            wgmma_wait<0>();
+        }
+        // The row tile done: add it into the accumulator.
+#pragma unroll
+        for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
+        named_barrier_sync(1, W::kConsumerWarps * 32);
+        add_weighted_rows(y, Tile{entry.x, entry.y, min(kTokens, expert_end - entry.y)}, row_of(row_tile),
+                          d_hidden, sorted_tokens, sorted_weights, accumulator, d_hidden_pad, tid,
+                          W::kConsumerWarps * 32);
+        entry = next_entry;
+        expert_end = expert_offsets[entry.x + 1];
+        named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
     }
 }
 
@@ -2715,7 +2871,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
 }
 
 // Explicit instantiations, as for the GEMM configs: stage 2 of both widths,
-// stage 1 of 144 tokens.
+// stage 1 of 144 tokens, and both folded at 144.
 #define MOE_INSTANTIATE_WIDE_STAGE1(FOLDED)                                                                     \
     template __global__ void stage1_wide_kernel<144, FOLDED>(const uint8_t*, const uint8_t*, const float*,       \
         const int*, const int*, const int2*, const int*, int, int, int, int, int, int, int, uint8_t*, float2*,   \
@@ -2723,12 +2879,13 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
 MOE_INSTANTIATE_WIDE_STAGE1(false)
 MOE_INSTANTIATE_WIDE_STAGE1(true)
 #undef MOE_INSTANTIATE_WIDE_STAGE1
-#define MOE_INSTANTIATE_WIDE_STAGE2(N)                                                                         \
-    template __global__ void stage2_wide_kernel<N>(const uint8_t*, const int*, const float*, const int*,       \
-        const int2*, const int*, int, int, int, int, float*, const __grid_constant__ TensorMap,                \
+#define MOE_INSTANTIATE_WIDE_STAGE2(N, FOLDED)                                                                 \
+    template __global__ void stage2_wide_kernel<N, FOLDED>(const uint8_t*, const int*, const float*, const int*, \
+        const int2*, const int*, int, int, int, int, float*, int*, const __grid_constant__ TensorMap,          \
         const __grid_constant__ TensorMap);
-MOE_INSTANTIATE_WIDE_STAGE2(64)
-MOE_INSTANTIATE_WIDE_STAGE2(144)
+MOE_INSTANTIATE_WIDE_STAGE2(64, false)
+MOE_INSTANTIATE_WIDE_STAGE2(144, false)
+MOE_INSTANTIATE_WIDE_STAGE2(144, true)
 #undef MOE_INSTANTIATE_WIDE_STAGE2
 
 }  // namespace moe
@@ -2858,7 +3015,7 @@ __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
 // fp32 block scales in `scale`, undefined for bf16) as raw bytes.
 // folded: the wide stage 1's folded E4M3 bytes (quantize_hidden_row_folded),
 // a scale per row, and room for the rows as bf16 values, which its redo
-// reads (quantize_fallback_rows_kernel).
+// reads (folded_fallback_kernel).
 struct Activations {
     torch::Tensor values, scale, fallback;
     Activations(int rows, int k_padded, bool fp8, bool folded, const torch::TensorOptions& options)
@@ -2940,6 +3097,11 @@ struct MoeCall {
     torch::Tensor& accumulator;
     const __nv_bfloat16* hidden;   // the call's hidden states, for the folded stage 1's fallback rows
     int tokens;
+    // The folded path's (launch_wide_stage1, launch_wide_stage2; null otherwise): stage 2's redo flag,
+    // then tile count, and its activations' folded bytes and scaled routing weights.
+    int* stage2_redo;
+    uint8_t* inter_folded;
+    float* folded_weights;
     int k_blocks1() const { return (d_hidden + kScaleBlock - 1) / kScaleBlock; }
     int k_blocks2() const { return (d_expert + kScaleBlock - 1) / kScaleBlock; }
     int columns1() const { return (d_expert + kStage1Columns - 1) / kStage1Columns; }
@@ -3093,8 +3255,10 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
                     "moe_mxfp4: the folded wide stage 1 must fit the bf16 one's CTAs");
         launch(stage1_folded, kFoldedSharedBytes, c.act.bytes(), c.act.scales(), t.count);
         // One CTA per SM: each fits beside an e4m3 CTA, to wait there for the flag.
-        launch_after_previous(quantize_fallback_rows_kernel, dim3(sm_count()), kFallbackRowsThreads, 0, c.stream,
-                              c.hidden, c.tokens, c.d_hidden, c.d_hidden_pad, redo_tiles, c.act.fallback_bytes());
+        launch_after_previous(folded_fallback_kernel, dim3(sm_count()), kFallbackThreads, 0, c.stream,
+                              c.hidden, c.tokens, c.d_hidden, c.d_hidden_pad, redo_tiles, c.act.fallback_bytes(),
+                              c.down_scale.data_ptr<uint8_t>(), c.n_experts, c.d_expert_pad, c.k_blocks2(),
+                              c.stage2_redo);
         launch(stage1, W::kSharedBytes, c.act.fallback_bytes(), nullptr, redo_tiles);
     } else {
         launch(stage1, W::kSharedBytes, c.act.bytes(), nullptr, t.count);
@@ -3114,12 +3278,15 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
 // this grid, and CTAs of the old grid's own work units launched tile-major
 // all measured alike), with the first lookup before the barriers' setup,
 // and slower (58) with the pairs listed row-tile-major: not yet explained.
+// folded (144 tokens): fold_inter_rows_kernel, the e4m3 kernel over its
+// bytes, then the bf16 one over *c.stage2_redo tiles (none unless a row did
+// not fold: its CTAs then leave at once).
 template <int kTokens>
-void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
+void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
     using W = WideStage2<kTokens>;
     TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
-    const auto stage2 = stage2_wide_kernel<kTokens>;
+    const auto stage2 = stage2_wide_kernel<kTokens, false>;
     allow_shared_memory(stage2, W::kSharedBytes);
     long long ctas = sm_count();
     if (ctas_per_sm(stage2, W::kThreads, W::kSharedBytes) > 1 || c.requested_row_tiles > 0) {
@@ -3128,10 +3295,29 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t) {
             : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows);
         ctas = ((long long)std::max(t.estimate, 1) * grid_rows + row_tiles - 1) / row_tiles;
     }
-    launch_after_previous(stage2, dim3((unsigned)ctas), W::kThreads, W::kSharedBytes, c.stream,
-        c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count,
-        c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(),
-        down_map(c, W::kStageBlocks), inter_map(c, kTokens));
+    auto launch = [&](auto kernel, const float* weights, const int* num_tiles, const TensorMap& acts) {
+        launch_after_previous(kernel, dim3((unsigned)ctas), W::kThreads, W::kSharedBytes, c.stream,
+            c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, weights, c.expert_offsets, t.tiles, num_tiles,
+            c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(), c.stage2_redo,
+            down_map(c, W::kStageBlocks), acts);
+    };
+    if constexpr (kTokens == 144) {
+        if (folded) {
+            const auto stage2_folded = stage2_wide_kernel<kTokens, true>;
+            allow_shared_memory(stage2_folded, W::kSharedBytes);
+            TORCH_CHECK(ctas_per_sm(stage2_folded, W::kThreads, W::kSharedBytes) == 1,
+                        "moe_mxfp4: the folded wide stage 2 must fit one CTA per SM");
+            launch_after_previous(fold_inter_rows_kernel, dim3((unsigned)std::max(1, (c.num_pairs + 7) / 8)),
+                                  kFoldInterThreads, 0, c.stream, c.inter.bytes(), c.num_pairs, c.d_expert_pad,
+                                  c.sorted_weights, c.inter_folded, c.folded_weights, c.stage2_redo);
+            launch(stage2_folded, c.folded_weights, t.count,
+                   tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128,
+                              kTokens));
+            launch(stage2, c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));
+            return;
+        }
+    }
+    launch(stage2, c.sorted_weights, t.count, inter_map(c, kTokens));
 }
 
 }  // namespace moe
@@ -3183,7 +3369,7 @@ torch::Tensor moe_forward(
     const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
     const int max_wide_tiles = wide_table ? num_pairs / wide_tile_tokens + std::min(n_experts, num_pairs) + 1 : 0;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
-    auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 2},
+    auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 3},
                                 int_opts);
     int2* tiles = reinterpret_cast<int2*>(routing.data_ptr<int>());
     int2* wide_tiles = tiles + max_tiles;
@@ -3194,11 +3380,15 @@ torch::Tensor moe_forward(
     float* sorted_weights = reinterpret_cast<float*>(sorted_tokens + num_pairs);
     int* bad_ids = sorted_tokens + 2 * num_pairs;
     int* redo_tiles = bad_ids + 1;   // the folded wide stage 1's fallback (launch_wide_stage1)
+    int* stage2_redo = redo_tiles + 1;   // the folded wide stage 2's (launch_wide_stage2)
     // 144-token wide tiles take folded E4M3 activations (the wide stage 1's
     // e4m3 path) where one Qa CTA holds a token's whole row.
     const bool folded = wide_tile_tokens == 144 && d_hidden_pad <= kPrepareColumns;
     const Activations act(m, d_hidden_pad, fp8, folded, hidden_states.options());
     const Activations inter(num_pairs, d_expert_pad, fp8, false, hidden_states.options());
+    const auto inter_folded = folded ? torch::empty({num_pairs, d_expert_pad}, int_opts.dtype(torch::kUInt8))
+                                     : torch::Tensor();
+    const auto folded_weights = folded ? torch::empty({num_pairs}, float_opts) : torch::Tensor();
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
     // What the host expects of the routing, to size grids and K slices.
@@ -3224,7 +3414,9 @@ torch::Tensor moe_forward(
     const MoeCall call{stream, num_pairs, n_experts, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,
                        (int)stage1_splits, (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight,
                        down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator,
-                       bf16_ptr(hidden_states), m};
+                       bf16_ptr(hidden_states), m, folded ? stage2_redo : nullptr,
+                       folded ? inter_folded.data_ptr<uint8_t>() : nullptr,
+                       folded ? folded_weights.data_ptr<float>() : nullptr};
     const TileTable narrow{tiles, num_tiles, max_tiles, tiles_estimate};
     const TileTable wide = wide_table ? TileTable{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate}
                                           : TileTable{tiles, num_tiles, max_tiles, wide_tiles_estimate};
@@ -3236,10 +3428,10 @@ torch::Tensor moe_forward(
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2)) launch_stage2<NT, MT2, WT, SB, STAGES, WG, FP8>(call, narrow);
     if (wide_tile_tokens == 144) {
         launch_wide_stage1<144>(call, wide, folded, redo_tiles);
-        launch_wide_stage2<144>(call, wide);
+        launch_wide_stage2<144>(call, wide, folded);
     } else {
         MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1)
-        if (wide_tile_tokens == 64) launch_wide_stage2<64>(call, wide);
+        if (wide_tile_tokens == 64) launch_wide_stage2<64>(call, wide, false);
         else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE2) }
     }
 #undef MOE_LAUNCH_STAGE1

@@ -147,12 +147,14 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     print(report)
     assert returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # convert; route+quantise for both activation formats and the folded one; the folded stage 1's fallback
-    # rows; SwiGLU+Qa of split stage 1 for both formats at 1, 2 and 4 rows per warp; the wide stage 2 of each
-    # wide tile width and the 144-token wide stage 1, bf16 and folded; and stage 1 and stage 2 for each GEMM
-    # config (one set for configs that differ in wide tiles only)
+    # convert; route+quantise for both activation formats and the folded one; the folded path's fallback
+    # kernel and stage 2's fold of the intermediate rows; SwiGLU+Qa of split stage 1 for both formats at 1, 2
+    # and 4 rows per warp; the wide stage 2 of each wide tile width, and folded at 144; the 144-token wide
+    # stage 1, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that differ
+    # in wide tiles only)
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
-    assert len(kernels) == 1 + 3 + 1 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 2 + 2 * len(kernel_sets), kernels
+    assert len(kernels) == (1 + 3 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2
+                            + 2 * len(kernel_sets)), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
@@ -321,13 +323,14 @@ def test_every_config_takes_the_wide_path_in_stage1(config):
 WIDE_144 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144)
 
 
-def with_first_block_scales_moved(data, rows, shift):
-    """data with the first scale block of the given gate/up weight rows moved
-    by `shift` binades (so the rows' other blocks sit -shift from it)."""
-    scales = data[3].view(torch.uint8).cpu().clone()
+def with_first_block_scales_moved(data, rows, shift, index=3):
+    """data with the first scale block of the given weight rows of scale
+    tensor `index` (3: gate/up, 4: down) moved by `shift` binades (so the
+    rows' other blocks sit -shift from it)."""
+    scales = data[index].view(torch.uint8).cpu().clone()
     flat = scales.reshape(-1, scales.shape[-1])
     flat[rows, 0] = (flat[rows, 0].to(torch.int32) + shift).clamp(1, 254).to(torch.uint8)
-    return with_replaced(data, 3, scales.to(data[3].device).view(data[3].dtype))
+    return with_replaced(data, index, scales.to(data[index].device).view(data[index].dtype))
 
 
 @needs_cuda
@@ -344,6 +347,45 @@ def test_folded_wide_stage1_in_and_past_its_window(shift):
     data = with_first_block_scales_moved(data, rows, shift)
     module = solution._backend(torch.device("cuda"))[1]
     run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
+
+
+@needs_cuda
+@pytest.mark.parametrize("shift", [-8, -4, 3, 8], ids=lambda n: f"shift{n}")
+def test_folded_wide_stage2_in_and_past_its_window(shift):
+    """The same for the 144-token wide stage 2's down-weight rows: moved by
+    -4 or 3 binades they fold and the e4m3 kernel runs; by -8 or 8
+    folded_fallback_kernel finds them outside the window before stage 2
+    starts, and the bf16 kernel does all of stage 2 (the e4m3 kernel's
+    bytes for those rows would be wrong)."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 44)
+    rows = torch.randint(0, data[4].view(torch.uint8).reshape(-1, data[4].shape[-1]).shape[0], (40,),
+                         generator=torch.Generator().manual_seed(45))
+    data = with_first_block_scales_moved(data, rows, shift, index=4)
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
+
+
+@needs_cuda
+def test_folded_wide_stage2_falls_back_for_rows_that_cannot_fold():
+    """Intermediate rows whose first block is 2^20 times the rest (the up
+    rows of columns 0-31 scaled up by 20 binades) span more than E4M3's
+    window: fold_inter_rows_kernel cannot hold their small values and stage
+    2 runs in bf16. The down weights of those 32 columns are zero, so the
+    whole output comes from the small values, which the folded bytes would
+    have dropped (as zeros)."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 46)
+    d_expert_pad = data[11]["d_expert_pad"]
+    scales = data[3].view(torch.uint8).cpu().clone()
+    rows = scales.reshape(-1, 2 * d_expert_pad, scales.shape[-1])
+    rows[:, d_expert_pad:d_expert_pad + 32] = (rows[:, d_expert_pad:d_expert_pad + 32].to(torch.int32)
+                                               + 20).clamp(max=254).to(torch.uint8)
+    data = with_replaced(data, 3, scales.to(data[3].device).view(data[3].dtype))
+    down = data[2].view(torch.uint8).clone()
+    down[..., :16] = 0   # K columns 0-31: two fp4 codes per byte
+    data = with_replaced(data, 2, down.view(data[2].dtype))
+    module = solution._backend(torch.device("cuda"))[1]
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
+    assert out.float().abs().max() > 0
 
 
 @needs_cuda
@@ -578,6 +620,11 @@ int main() {
         else if (!strcmp(kind, "qa")) out = moe::float_to_bits(moe::exact_pow2(moe::qa_exponent(f)));
         else if (!strcmp(kind, "shifted")) out = moe::e2m1_to_e4m3_shifted(x & 15u, (int)(x >> 4) - 8);
         else if (!strcmp(kind, "foldposition")) out = moe::folded_act_position((int)x);
+        else if (!strcmp(kind, "qafold")) {   // x: bf16 bits, then base + 160 in bits 16-23
+            bool exact;
+            out = moe::qa_bf16_to_folded_e4m3(x & 0xFFFFu, (int)(x >> 16) - 160, exact);
+            out |= (unsigned int)exact << 8;
+        }
         else if (!strncmp(kind, "foldx", 5) || !strncmp(kind, "foldy", 5)) {
             uint32_t lo, hi;
             moe::folded_e4m3_table(atoi(kind + 5), lo, hi);
@@ -716,6 +763,27 @@ def test_folded_words_follow_the_table_and_the_fragment_order(helpers):
     for t in range(4):
         for j in range(4):
             assert positions[8 * t + j] == 4 * t + j and positions[8 * t + 4 + j] == 16 + 4 * t + j
+
+
+def test_qa_values_fold_into_e4m3_exactly_or_say_so(helpers):
+    """qa_bf16_to_folded_e4m3 gives the E4M3 byte of every Qa value times
+    2^-base that E4M3 holds exactly (torch's conversion of it, which
+    round-trips), and flags every other: too small for the base, NaN,
+    infinity, bf16 subnormals, and bf16 values that are no E2M1 code times a
+    power of two."""
+    values = [m * 2.0 ** x * sign for m in (1.0, 1.5) for x in range(-40, 41) for sign in (1, -1)]
+    odd = [1.25, 1.75, -3.5, 2.0 ** -130, -(2.0 ** -128), float("nan"), float("inf"), -float("inf")]
+    bits = torch.tensor(values + odd + [0.0, -0.0]).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    for base in (-30, -9, 0, 7, 25):
+        got = helpers("qafold", [(b | (base + 160) << 16) for b in bits.tolist()])
+        scaled = torch.tensor(values + odd + [0.0, -0.0], dtype=torch.float64) * 2.0 ** -base
+        e4m3 = scaled.to(torch.float8_e4m3fn)
+        exact = (e4m3.double() == scaled) & (scaled.abs() <= 384)
+        exact[len(values):len(values) + len(odd)] = False
+        expected = [(byte if ok else 0) | int(ok) << 8
+                    for byte, ok in zip(e4m3.view(torch.uint8).tolist(), exact.tolist())]
+        assert got == expected, base
+        assert sum(exact.tolist()) > 30, base   # the window is not empty
 
 
 def test_fp4_pairs_are_bf16_values_times_2_pow_minus_126(helpers):

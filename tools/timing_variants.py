@@ -104,14 +104,27 @@ VARIANTS = {
         [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);",
            "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = w[2 * q + h] ^ scales[h];"),)]),
     "wide_s2_no_act_copy": (
-        "stage2_wide_kernel loads no activations (its TMA boxes of the tile's rows; the consumers read stale "
-        "shared memory): what re-reading a tile's intermediate rows from L2 for every row tile costs",
+        "stage2_wide_kernel loads no activations (its TMA boxes of the tile's rows, bf16 or folded; the consumers "
+        "read stale shared memory): what re-reading a tile's intermediate rows from L2 for every row tile costs",
         [(("mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + W::kActBytes);",
-           "mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);"),),
+           "mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);"),
+          ("mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + kActBytes);",
+           "mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);")),
          (("                for (int h = 0; h < 2; ++h)\n"
            "                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,",
            "                for (int h = 0; h < 0; ++h)\n"
-           "                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,"),)]),
+           "                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,"),
+          # the folded stage 2's form: its one box skipped too (it then takes the bf16 loop, of no boxes)
+          ("                if constexpr (kFolded)\n"
+           "                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, entry.y, &full[slot]);\n"
+           "                else\n"
+           "#pragma unroll\n"
+           "                    for (int h = 0; h < 2; ++h)\n",
+           "                if constexpr (kFolded && false)\n"
+           "                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, entry.y, &full[slot]);\n"
+           "                else\n"
+           "#pragma unroll\n"
+           "                    for (int h = 0; h < 0; ++h)\n"))]),
     "no_qa": (
         "the first kernel's Qa CTAs return at once (stale activations, an accumulator not zeroed): "
         "its time is then the routing CTA's",
