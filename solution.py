@@ -2409,22 +2409,24 @@ __device__ __forceinline__ void wide_compute_stage_folded(
 }
 
 // Stage 2's folded activations, from the bf16 rows of inter (Qa's values,
-// at act_position in each block) once stage 1 has written them: a warp per
-// row, each lane a block at a time, finds the row's largest exponent x and
-// writes each value times 2^-base, base = x - 8 (at least -127), as the
-// E4M3 byte qa_bf16_to_folded_e4m3 gives, at folded_act_position, and the
-// row's routing weight times 2^base into folded_weights (stage 2 then
-// multiplies its sums by that instead of the weight). A row with a value
-// no byte holds exactly (17 binades or more below the row's largest, or
-// not finite), or whose largest is below 2^-92, sets *stage2_redo, and
-// stage 2 runs in bf16 instead.
+// at act_position in each block) once stage 1 has written them. A warp per
+// row, each lane a block at a time over the row's first `blocks` (those of
+// d_expert; any later ones may be unwritten, and the TMA map reads them as
+// zeros), finds the row's largest exponent x and writes each value times
+// 2^-base, base = x - 8, as the E4M3 byte qa_bf16_to_folded_e4m3 gives, at
+// folded_act_position; and the row's routing weight times 2^base into
+// folded_weights, which stage 2 multiplies its sums by instead of the
+// weight. A row with a value no byte holds exactly (about 17 binades below
+// the row's largest, or not finite), or whose largest is below 2^-92, sets
+// *stage2_redo, and stage 2 runs in bf16 instead.
 constexpr int kFoldInterThreads = 256;
 __global__ void __launch_bounds__(kFoldInterThreads) fold_inter_rows_kernel(
-        const uint8_t* __restrict__ inter, int num_pairs, int d_expert_pad, const float* __restrict__ sorted_weights,
-        uint8_t* __restrict__ folded, float* __restrict__ folded_weights, int* __restrict__ stage2_redo) {
+        const uint8_t* __restrict__ inter, int num_pairs, int d_expert_pad, int blocks,
+        const float* __restrict__ sorted_weights, uint8_t* __restrict__ folded, float* __restrict__ folded_weights,
+        int* __restrict__ stage2_redo) {
     wait_for_previous_kernel();
     let_next_kernel_launch();
-    const int lane = threadIdx.x & 31, blocks = d_expert_pad / kScaleBlock;
+    const int lane = threadIdx.x & 31;
     const int warps = gridDim.x * (kFoldInterThreads / 32);
     for (int row = blockIdx.x * (kFoldInterThreads / 32) + threadIdx.x / 32; row < num_pairs; row += warps) {
         // A block's 32 bf16 values: four 16-byte chunks.
@@ -2444,8 +2446,11 @@ __global__ void __launch_bounds__(kFoldInterThreads) fold_inter_rows_kernel(
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1)
             largest = max(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
-        const int base = max((int)largest - 127 - 8, -127);
-        bool exact = true;
+        // An all-zero row folds at any base; one whose largest is below
+        // 2^-92 (field 35) does not, so that its weight times 2^base stays
+        // a normal float.
+        const int base = largest == 0 ? 0 : max((int)largest - 127 - 8, -127);
+        bool exact = largest == 0 || largest >= 35;
         for (int block = lane; block < blocks; block += 32) {
             uint32_t bytes[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
 #pragma unroll
@@ -2467,8 +2472,7 @@ __global__ void __launch_bounds__(kFoldInterThreads) fold_inter_rows_kernel(
             out[0] = make_uint4(bytes[0], bytes[1], bytes[2], bytes[3]);
             out[1] = make_uint4(bytes[4], bytes[5], bytes[6], bytes[7]);
         }
-        // A base near 2^-127 would make the weight times 2^base subnormal.
-        if (!__all_sync(0xFFFFFFFFu, exact && base > -100) && lane == 0) *stage2_redo = 1;
+        if (!__all_sync(0xFFFFFFFFu, exact) && lane == 0) *stage2_redo = 1;
         if (lane == 0) folded_weights[row] = sorted_weights[row] * exact_pow2(base);
     }
 }
@@ -3309,7 +3313,8 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
                         "moe_mxfp4: the folded wide stage 2 must fit one CTA per SM");
             launch_after_previous(fold_inter_rows_kernel, dim3((unsigned)std::max(1, (c.num_pairs + 7) / 8)),
                                   kFoldInterThreads, 0, c.stream, c.inter.bytes(), c.num_pairs, c.d_expert_pad,
-                                  c.sorted_weights, c.inter_folded, c.folded_weights, c.stage2_redo);
+                                  c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights,
+                                  c.stage2_redo);
             launch(stage2_folded, c.folded_weights, t.count,
                    tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128,
                               kTokens));
