@@ -6,8 +6,9 @@ MXFP4 with E8M0 block scales, and the result matches AITER's fused_moe up to
 fp32 summation order.
 
 On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs four
-kernels (five when stage 1's K is split), built on first use with torch's
-load_inline and cached:
+kernels (five when stage 1's K is split; the folded wide path below adds
+two, which leave at once unless its fallback is needed), built on first use
+with torch's load_inline and cached:
 
   route and    one kernel: its first CTA makes the per-expert token counts,
   quantise     offsets, the pairs sorted by expert (token and routing weight)
@@ -39,7 +40,14 @@ E4M3, and the fp4 -> e4m3 conversion is cheaper than fp4 -> bf16): each
 32-value block's exact sum is scaled by its two block scales in fp32, again
 exact up to summation order. (The e4m3 mma.sync runs on sm_90 as F2FP
 conversions plus fp16 HMMA; Hopper's fp8 tensor cores are reachable only
-through wgmma.)
+through wgmma.) With 144-token wide tiles and token rows of up to 8,192
+values, stage 1 runs e4m3 warpgroup MMAs on folded operands: Qa writes each
+token's values as E4M3 bytes against its row's largest block exponent, the
+weights fold against each row's first block, and each sum is scaled once by
+its row's and token's powers of two. That is exact wherever a row's blocks
+fit E4M3's window; where one does not, the bf16 kernel computes stage 1
+again. Only the e4m3 tensor cores' accumulation keeps fewer bits than fp32
+(about 1e-6 relative, tools/fp8_accumulation.py).
 
 On ROCm with AITER importable, AITER's fused_moe runs (as the official
 submission template does; our kernels have not been verified on AMD). Anywhere
