@@ -7,8 +7,9 @@ fp32 summation order.
 
 On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs four
 kernels (five when stage 1's K is split; the folded wide path below adds
-two, which leave at once unless its fallback is needed), built on first use
-with torch's load_inline and cached:
+four: the fold of the intermediate rows, and three that leave at once unless
+its fallback is needed), built on first use with torch's load_inline and
+cached:
 
   route and    one kernel: its first CTA makes the per-expert token counts,
   quantise     offsets, the pairs sorted by expert (token and routing weight)
@@ -46,7 +47,10 @@ token's values as E4M3 bytes against its row's largest block exponent, the
 weights fold against each row's first block, and each sum is scaled once by
 its row's and token's powers of two. That is exact wherever a row's blocks
 fit E4M3's window; where one does not, the bf16 kernel computes stage 1
-again. Only the e4m3 tensor cores' accumulation keeps fewer bits than fp32
+again. Stage 2 folds the same way, its intermediate rows folded by a pass
+of their own after stage 1; whether all of them and all down-weight rows
+fold is known before it starts (its adds are final), and if not the bf16
+kernel does all of stage 2. Only the e4m3 tensor cores' accumulation keeps fewer bits than fp32
 (about 1e-6 relative, tools/fp8_accumulation.py).
 
 On ROCm with AITER importable, AITER's fused_moe runs (as the official
