@@ -64,6 +64,13 @@ def test_ab_times_timing_only_versions_after_the_candidates(tmp_path):
     assert timing == ["python3 tools/ab_bench.py .ab/base.py solution.py .ab/candidate_good.py .ab/timing_bound.py"], out
 
 
+def test_ab_writes_the_timelines_of_the_checked_versions(tmp_path):
+    run_ab(tmp_path, "ok", {"base.py": "ok", "candidate_good.py": "ok", "timing_bound.py": "ok"})
+    log = (tmp_path / "out" / "ab_timeline.log").read_text().splitlines()
+    assert log == [f"python3 tools/profile_kernels.py --timeline {n} .ab/base.py solution.py .ab/candidate_good.py"
+                   for n in range(7)]
+
+
 @pytest.mark.parametrize("failing", ["base", "checkout"])
 def test_ab_times_nothing_when_the_base_or_checkout_fails(tmp_path, failing):
     out, timing = run_ab(tmp_path, "FAIL" if failing == "checkout" else "ok",

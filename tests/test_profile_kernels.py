@@ -18,6 +18,21 @@ def test_kernel_times_count_from_the_previous_kernels_end():
     assert spans == [45.0, 44.0]
 
 
+def test_kernel_names_keep_their_template_arguments():
+    """The timeline tells a kernel's instantiations apart (the folded wide
+    stage 1 from its bf16 redo), unlike the per-kernel view."""
+    name = "void moe::stage1_wide_kernel<144, true>(unsigned char const*, float const*, int)"
+    assert profile_kernels.kernel_name(name) == "stage1_wide_kernel<144, true>"
+    assert profile_kernels.kernel_name("moe::convert_output_kernel(float const*, int)") == "convert_output_kernel"
+
+
+def test_a_calls_timeline_starts_at_its_first_kernel():
+    events = [(105.0, 128.0, "stage1"), (100.0, 112.0, "route"), (128.0, 140.0, "stage2")]
+    assert profile_kernels.call_timeline(events) == [(0.0, 12.0, "route"), (5.0, 28.0, "stage1"),
+                                                     (28.0, 40.0, "stage2")]
+    assert profile_kernels.call_timeline([]) == []
+
+
 def test_kernel_times_need_whole_calls():
     assert profile_kernels.call_kernel_times([(0.0, 1.0, "route")], 2) == {}
 

@@ -11,7 +11,8 @@
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
 #    process (tools/ab_bench.py; not part of "all"; AB_SHAPES="5 6" times only those benchmark
-#    shapes, indices 0-6);
+#    shapes, indices 0-6), then one call of each checked version per shape kernel by kernel
+#    ($OUT/ab_timeline.log, tools/profile_kernels.py --timeline);
 #    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
 #    (indices 0-6, default "0 4 5"): throughputs, tensor/ALU/FMA pipes, shared-memory
 #    wavefronts and bank conflicts, issue, stall reasons; with
@@ -102,6 +103,13 @@ if asked ab; then   # not part of "all": .ab/base.py against this checkout and .
       echo "no A/B: the base or this checkout failed"
     else
       python3 tools/ab_bench.py .ab/base.py solution.py "${candidates[@]}" 2>"$OUT/ab.err" | tee "$OUT/ab.log" || status=1
+      # One call of each checked version per shape, kernel by kernel, by full
+      # template name (the split above adds a kernel's instantiations together).
+      checked=(); for c in "${candidates[@]}"; do [[ $(basename "$c") == timing_* ]] || checked+=("$c"); done
+      for n in ${AB_SHAPES:-0 1 2 3 4 5 6}; do
+        python3 tools/profile_kernels.py --timeline "$n" .ab/base.py solution.py "${checked[@]}" || status=1
+      done >"$OUT/ab_timeline.log" 2>"$OUT/ab_timeline.err"
+      echo "each version's kernels in one call: ab_timeline.log"
     fi
   else
     echo "skipped: .ab/base.py is missing"

@@ -9,6 +9,12 @@
                                                 benchmark shapes or the shapes given (d_hidden 7168,
                                                 top-8 routed + 1 shared expert, seed 1), e.g. 384:256:256
                                                 to find where the chooser should switch configs
+    python tools/profile_kernels.py --timeline N [SOLUTION.py ...]
+                                                one call on benchmark shape N (0-6) by each version
+                                                named (default this checkout's): each kernel's start,
+                                                end and us from the call's first kernel, in launch
+                                                order, by its full template name (the per-kernel view
+                                                adds a kernel's instantiations together)
     python tools/profile_kernels.py --once N [SOLUTION.py]
                                                 benchmark shape N (0-6, or all) called twice, by this
                                                 checkout's solution.py or the one named, for ncu and
@@ -80,6 +86,39 @@ def kernel_times(call, data, repeats: int, spans: list = None) -> dict:
     kernels = [(event.time_range.start, event.time_range.end, event.name.split("(")[0].split("<")[0][-40:])
                for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
     return call_kernel_times(kernels, repeats, spans)
+
+
+def kernel_name(event_name: str) -> str:
+    """A kernel's profiler name without its parameter list, return type and
+    namespace: 'void moe::stage1_wide_kernel<144, true>(unsigned char const*,
+    ...)' gives 'stage1_wide_kernel<144, true>'."""
+    return event_name.split("(")[0].replace("void ", "").replace("moe::", "")
+
+
+def call_timeline(events: list) -> list:
+    """(start, end, name) events of one call, in start order, their times
+    from the first kernel's start."""
+    events = sorted(events)
+    first = events[0][0] if events else 0.0
+    return [(start - first, end - first, name) for start, end, name in events]
+
+
+def timeline(which: str, solution_paths: list) -> None:
+    label, data = list(benchmark_inputs())[int(which)]
+    versions = [(path, ab_bench.load(path, f"timeline_version_{i}")) for i, path in enumerate(solution_paths)]
+    for path, version in versions or [("solution.py", solution)]:
+        for _ in range(3):
+            version.custom_kernel(data)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            version.custom_kernel(data)
+            torch.cuda.synchronize()
+        events = [(event.time_range.start, event.time_range.end, kernel_name(event.name))
+                  for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+        print(f"{label}, {path}: {'start':>8} {'end':>8} {'us':>7}  kernel (one call, no L2 flush)")
+        for start, end, name in call_timeline(events):
+            print(f"{'':<{len(label) + len(path) + 3}}{start:8.1f} {end:8.1f} {end - start:7.1f}  {name}")
+        print(flush=True)
 
 
 def per_kernel(repeats: int) -> None:
@@ -187,6 +226,8 @@ def host_cost() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--sweep"]:
         sweep([tuple(map(int, shape.split(":"))) + (1, None) for shape in sys.argv[2:]])
+    elif sys.argv[1:2] == ["--timeline"]:
+        timeline(sys.argv[2], sys.argv[3:])
     elif sys.argv[1:2] == ["--once"]:
         once(*sys.argv[2:4])
     elif sys.argv[1:2] == ["--save"]:
