@@ -140,8 +140,11 @@ ncu_python() {
 if asked ncu; then   # not part of "all": about a minute per shape and version
   ncu_counters() {   # log file, then profile_kernels.py's --once arguments
     local log=$1; shift
-    # --once calls the shape twice; skip the first call's two stage kernels.
-    ncu_python ncu --clock-control none -k regex:"stage[12]_(wide_)?kernel" -s 2 -c 2 \
+    # --once calls the shape twice: the first call's stage kernels, up to
+    # four (the folded wide path's bf16 fallbacks among them, which leave at
+    # once unless needed; two stage kernels per call elsewhere, and then the
+    # second call's two follow).
+    ncu_python ncu --clock-control none -k regex:"stage[12]_(wide_)?kernel" -c 4 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
       --metrics dram__bytes_read.sum.per_second,lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum,sm__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__throughput.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
       "$python_binary" tools/profile_kernels.py --once "$@" >"$log" 2>&1 || status=1
@@ -151,7 +154,7 @@ if asked ncu; then   # not part of "all": about a minute per shape and version
     grep -q -E "stage[12]_(wide_)?kernel" "$log" || { echo "no ncu counters; the log ends:"; tail -5 "$log"; }
   }
   for shape in ${NCU_SHAPES:-0 4 5}; do
-    step "ncu, benchmark shape $shape: stage 1 and stage 2 of the second call"
+    step "ncu, benchmark shape $shape: the stage kernels of a call"
     ncu_counters "$OUT/ncu_$shape.log" "$shape"
     if [ -n "${NCU_BASE:-}" ]; then
       step "ncu, benchmark shape $shape, $NCU_BASE"
@@ -163,7 +166,9 @@ if asked stalls; then
   shape=$(echo ${NCU_SHAPES:-5} | cut -d' ' -f1)
   kernel=${STALLS_KERNEL:-stage1_(wide_)?kernel}
   step "ncu source counters, $kernel of benchmark shape $shape"
-  ncu_python ncu --clock-control none -k regex:"$kernel" -s 1 -c 1 --section SourceCounters --section WarpStateStats \
+  # The first call's first match: a folded stage's e4m3 kernel, not the bf16
+  # fallback after it (ncu replays the kernel, so no warm-up call is needed).
+  ncu_python ncu --clock-control none -k regex:"$kernel" -c 1 --section SourceCounters --section WarpStateStats \
     -f -o "$OUT/stalls" "$python_binary" tools/profile_kernels.py --once "$shape" >"$OUT/stalls.log" 2>&1 || status=1
   ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass >"$OUT/stalls.csv" 2>>"$OUT/stalls.log" || status=1
   rm -f "$OUT/stalls.ncu-rep"
