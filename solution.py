@@ -2281,72 +2281,94 @@ struct WideStage1 : WideLayout<kTokens> {
     static_assert(kSharedBytes + kFoldedExtraBytes <= 227 * 1024 / L::kCtasPerSm - 1024, "the CTAs per SM");
 };
 
-// A consumer warp's stage s of a wide kernel: wait for its slot, convert
-// the warp's 16 weight rows (local rows first_row.., at shared-memory rows
-// smem_row(r)) block by block and issue its warpgroup's MMAs over the
-// tile's tokens, adding into acc (first_of_tile: the first MMA starts it,
-// scale-d 0, so no accumulator is zeroed between row tiles); once the
-// previous stage's MMAs are complete, release that stage's slot.
+// What both forms of a wide consumer stage (wide_compute_stage,
+// wide_compute_stage_folded) share. wide_stage_slot waits for stage s's
+// slot, returns it, and gives the scale words of the warp's rows g and g+8
+// (four blocks' bytes each). wide_stage_blocks then walks the stage's
+// blocks in order: issue_block(block, words) converts the block's fp4 words
+// of rows g and g+8 (local rows first_row.., at shared-memory rows
+// smem_row(r)) and issues its MMAs, while the next pair of blocks' words
+// load ahead; after each block it commits, waits for the block before, and
+// at block 0 releases the previous stage's slot (those MMAs are complete).
+template <int kTokens, int kRing>
+__device__ __forceinline__ const uint8_t* wide_stage_slot(uint8_t* smem, uint64_t* full, int s, int first_row,
+                                                         int lane, uint32_t (&scales)[2]) {
+    using W = WideLayout<kTokens>;
+    mbarrier_wait(&full[s % kRing], (s / kRing) & 1);
+    const uint8_t* base = smem + s % kRing * W::kStageBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset
+                                                       + (first_row + (lane >> 2) + 8 * h) * W::kStageBlocks);
+    return base;
+}
+template <int kTokens, int kRing, typename SmemRow, typename IssueBlock>
+__device__ __forceinline__ void wide_stage_blocks(const uint8_t* base, uint64_t* empty, int s, int first_row,
+                                                  int lane, SmemRow smem_row, IssueBlock issue_block) {
+    using W = WideLayout<kTokens>;
+    constexpr int SB = W::kStageBlocks;
+    auto load_words = [&](uint32_t (&words)[4], int bp) {
+        ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
+                                                                      bp + (lane >> 4)));
+    };
+    uint32_t w[4];
+    load_words(w, 0);
+#pragma unroll
+    for (int bp = 0; bp < SB; bp += 2) {
+        uint32_t next[4];
+        if (bp + 2 < SB) load_words(next, bp + 2);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const uint32_t words[2] = {w[2 * q], w[2 * q + 1]};
+            issue_block(bp + q, words);
+            wgmma_commit();
+            wgmma_wait<1>();
+            // Every lane arrives, and the arrival is predicated, not branched
+            // on: a branch here (on the lane, or on s > 0) made ptxas
+            // serialise the MMAs (C7518, C7513).
+            if (bp + q == 0) mbarrier_arrive_if(&empty[(s + kRing - 1) % kRing], s > 0);
+        }
+        if (bp + 2 < SB)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) w[i] = next[i];
+    }
+}
+
+// A consumer warp's stage s of a wide kernel: convert the warp's 16 weight
+// rows block by block and issue its warpgroup's bf16 MMAs over the tile's
+// tokens, adding into acc (first_of_tile: the first MMA starts it, scale-d
+// 0, so no accumulator is zeroed between row tiles).
 template <int kTokens, int kRing, typename SmemRow>
 __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full,
                                                    uint64_t* empty, int s, bool first_of_tile, int first_row,
                                                    int lane, SmemRow smem_row) {
     using W = WideLayout<kTokens>;
-    constexpr int SB = W::kStageBlocks;
-    const int slot = s % kRing, g = lane >> 2;
-    mbarrier_wait(&full[slot], (s / kRing) & 1);
-    const uint8_t* base = smem + slot * W::kStageBytes;
-    // Rows g and g+8: their four scale bytes.
     uint32_t scales[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-        scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
+    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, first_row, lane, scales);
     // The path, voted over the warpgroup's 64 rows (lane: rows 2 lane, 2 lane
     // + 1): a warpgroup's MMAs must be the same instructions in all four of
     // its warps, and a warp's own 16 rows gave warps of one warpgroup
     // different paths (NaN on an H200, 2026-12-01).
     const uint2 group_scales = *reinterpret_cast<const uint2*>(
-        base + W::kScaleOffset + ((first_row & ~63) + 2 * lane) * SB);
+        base + W::kScaleOffset + ((first_row & ~63) + 2 * lane) * W::kStageBlocks);
     const bool wide = __any_sync(0xFFFFFFFFu, any_scale_above(group_scales.x, 128u)
                                                   || any_scale_above(group_scales.y, 128u));
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
-    auto load_words = [&](uint32_t (&words)[4], int bp) {
-        ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
-                                                                      bp + (lane >> 4)));
-    };
     // The stage's blocks, called with a constant path so that each path is
     // its own straight-line code (with the path a runtime value inside,
     // ptxas predicated both paths' conversions and issued both).
     auto compute = [&](const bool kWide) {
-        uint32_t w[4];
-        load_words(w, 0);
+        wide_stage_blocks<kTokens, kRing>(base, empty, s, first_row, lane, smem_row,
+                                          [&](int block, const uint32_t (&words)[2]) {
+            uint32_t a[2][4];
 #pragma unroll
-        for (int bp = 0; bp < SB; bp += 2) {
-            uint32_t next[4];
-            if (bp + 2 < SB) load_words(next, bp + 2);
+            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);
+            wgmma_fence();
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int block = bp + q;
-                uint32_t a[2][4];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);
-                wgmma_fence();
-#pragma unroll
-                for (int step = 0; step < 2; ++step)
-                    wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
-                                       !first_of_tile || block > 0 || step > 0);
-                wgmma_commit();
-                wgmma_wait<1>();
-                // The previous stage's MMAs are complete: its slot may
-                // refill. Every lane arrives, and the arrival is predicated,
-                // not branched on: a branch here (on the lane, or on s > 0)
-                // made ptxas serialise the MMAs (C7518, C7513).
-                if (block == 0) mbarrier_arrive_if(&empty[(s + kRing - 1) % kRing], s > 0);
-            }
-            if (bp + 2 < SB)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) w[i] = next[i];
-        }
+            for (int step = 0; step < 2; ++step)
+                wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,
+                                    !first_of_tile || block > 0 || step > 0);
+        });
     };
     if (wide)
         compute(true);
@@ -2369,55 +2391,32 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         int first_row, int lane, SmemRow smem_row, uint32_t (&row_base)[2], uint32_t& out_of_window) {
     static_assert(kTokens == 144, "the folded path has the 144-token MMA only");
     using W = WideLayout<kTokens>;
-    constexpr int SB = W::kStageBlocks;
-    const int slot = s % kRing, g = lane >> 2;
-    mbarrier_wait(&full[slot], (s / kRing) & 1);
-    const uint8_t* base = smem + slot * W::kStageBytes;
     uint32_t scales[2];
+    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, first_row, lane, scales);
+    if (first_of_tile)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + (first_row + g + 8 * h) * SB);
-        if (first_of_tile) row_base[h] = scales[h] & 0xFFu;
-    }
+        for (int h = 0; h < 2; ++h) row_base[h] = scales[h] & 0xFFu;
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
-    auto load_words = [&](uint32_t (&words)[4], int bp) {
-        ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
-                                                                      bp + (lane >> 4)));
-    };
-    uint32_t w[4];
-    load_words(w, 0);
+    wide_stage_blocks<kTokens, kRing>(base, empty, s, first_row, lane, smem_row,
+                                      [&](int block, const uint32_t (&words)[2]) {
+        uint32_t a[4];
 #pragma unroll
-    for (int bp = 0; bp < SB; bp += 2) {
-        uint32_t next[4];
-        if (bp + 2 < SB) load_words(next, bp + 2);
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const int block = bp + q;
-            uint32_t a[4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int d = (int)((scales[h] >> (8 * block)) & 0xFFu) - (int)row_base[h];
-                out_of_window |= (uint32_t)((uint32_t)(d - kFoldTableMinShift)
-                                            > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
-                                            && (w[2 * q + h] & 0x77777777u) != 0u) << h;
-                uint32_t lo, hi;
-                folded_e4m3_table(d, lo, hi);
-                const uint2 bytes = fp4_word_to_folded_e4m3(w[2 * q + h], lo, hi);
-                a[h] = bytes.x;       // k 4t..4t+3 of row g + 8h
-                a[2 + h] = bytes.y;   // k 16+4t..16+4t+3
-            }
-            wgmma_fence();
-            // Block b's 32 bytes of each token: chunks 2b, 2b + 1 of the swizzled rows.
-            wgmma_m64n144k32_e4m3(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
-                                  !first_of_tile || block > 0);
-            wgmma_commit();
-            wgmma_wait<1>();
-            if (block == 0) mbarrier_arrive_if(&empty[(s + kRing - 1) % kRing], s > 0);
+        for (int h = 0; h < 2; ++h) {
+            const int d = (int)((scales[h] >> (8 * block)) & 0xFFu) - (int)row_base[h];
+            out_of_window |= (uint32_t)((uint32_t)(d - kFoldTableMinShift)
+                                        > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
+                                        && (words[h] & 0x77777777u) != 0u) << h;
+            uint32_t lo, hi;
+            folded_e4m3_table(d, lo, hi);
+            const uint2 bytes = fp4_word_to_folded_e4m3(words[h], lo, hi);
+            a[h] = bytes.x;       // k 4t..4t+3 of row g + 8h
+            a[2 + h] = bytes.y;   // k 16+4t..16+4t+3
         }
-        if (bp + 2 < SB)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) w[i] = next[i];
-    }
+        wgmma_fence();
+        // Block b's 32 bytes of each token: chunks 2b, 2b + 1 of the swizzled rows.
+        wgmma_m64n144k32_e4m3(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
+                              !first_of_tile || block > 0);
+    });
 }
 
 // Stage 2's folded activations, from the bf16 rows of inter (Qa's values,

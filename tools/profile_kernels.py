@@ -73,26 +73,33 @@ def call_kernel_times(kernels: list, repeats: int, spans: list = None) -> dict:
     return times
 
 
-def kernel_times(call, data, repeats: int, spans: list = None) -> dict:
-    """Device us per call of each kernel `call(data)` launches, under
-    torch.profiler, as call_kernel_times counts them (the calls are
-    synchronised apart, so gaps between kernels show in the spans)."""
+def kernel_name(event_name: str) -> str:
+    """A kernel's profiler name without its parameter list, return type and
+    namespace: 'void moe::stage1_wide_kernel<144, true>(unsigned char const*,
+    ...)' gives 'stage1_wide_kernel<144, true>'."""
+    return event_name.split("(")[0].replace("void ", "").replace("moe::", "")
+
+
+def profiled_kernels(call, data, repeats: int) -> list:
+    """(start, end, kernel_name) of every kernel that `repeats` calls of
+    call(data) launch under torch.profiler, after one call unprofiled; the
+    calls are synchronised apart, so gaps between kernels show."""
     call(data)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             call(data)
             torch.cuda.synchronize()
-    kernels = [(event.time_range.start, event.time_range.end, event.name.split("(")[0].split("<")[0][-40:])
-               for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    return [(event.time_range.start, event.time_range.end, kernel_name(event.name))
+            for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_times(call, data, repeats: int, spans: list = None) -> dict:
+    """Device us per call of each kernel `call(data)` launches, as
+    call_kernel_times counts them, a kernel's template instantiations
+    together."""
+    kernels = [(start, end, name.split("<")[0][-40:]) for start, end, name in profiled_kernels(call, data, repeats)]
     return call_kernel_times(kernels, repeats, spans)
-
-
-def kernel_name(event_name: str) -> str:
-    """A kernel's profiler name without its parameter list, return type and
-    namespace: 'void moe::stage1_wide_kernel<144, true>(unsigned char const*,
-    ...)' gives 'stage1_wide_kernel<144, true>'."""
-    return event_name.split("(")[0].replace("void ", "").replace("moe::", "")
 
 
 def call_timeline(events: list) -> list:
@@ -107,14 +114,7 @@ def timeline(which: str, solution_paths: list) -> None:
     label, data = list(benchmark_inputs())[int(which)]
     versions = [(path, ab_bench.load(path, f"timeline_version_{i}")) for i, path in enumerate(solution_paths)]
     for path, version in versions or [("solution.py", solution)]:
-        for _ in range(3):
-            version.custom_kernel(data)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            version.custom_kernel(data)
-            torch.cuda.synchronize()
-        events = [(event.time_range.start, event.time_range.end, kernel_name(event.name))
-                  for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+        events = profiled_kernels(version.custom_kernel, data, 1)
         print(f"{label}, {path}: {'start':>8} {'end':>8} {'us':>7}  kernel (one call, no L2 flush)")
         for start, end, name in call_timeline(events):
             print(f"{'':<{len(label) + len(path) + 3}}{start:8.1f} {end:8.1f} {end - start:7.1f}  {name}")

@@ -64,10 +64,10 @@ def _e4m3_folded_fragment(indent: str, scale_byte: str, word: str, fragment: str
 
 
 _E4M3_FOLDED_BLOCK = (
-    _e4m3_folded_fragment(" " * 16, "scales[h] >> (8 * block)", "w[2 * q + h]", "a[0]")
-    + "                wgmma_fence();\n"
-      "                wgmma_e4m3_wide<kTokens>(acc, a[0], act_descriptor + W::act_offset(0, block * 4) / 16,\n"
-      "                                         !first_of_tile || block > 0);\n")
+    _e4m3_folded_fragment(" " * 12, "scales[h] >> (8 * block)", "words[h]", "a[0]")
+    + "            wgmma_fence();\n"
+      "            wgmma_e4m3_wide<kTokens>(acc, a[0], act_descriptor + W::act_offset(0, block * 4) / 16,\n"
+      "                                     !first_of_tile || block > 0);\n")
 
 # The plain configs' block (the 64-token wgmma stage 1 and, unused on sm_90,
 # mma.sync's, whose MMAs then read the wrong registers): one e4m3 k32 MMA on
@@ -101,8 +101,8 @@ VARIANTS = {
     "wide_no_dequant": (
         "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
-        [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);",
-           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = w[2 * q + h] ^ scales[h];"),)]),
+        [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);",
+           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h];"),)]),
     "wide_s2_no_act_copy": (
         "stage2_wide_kernel loads no activations (its TMA boxes of the tile's rows, bf16 or folded; the consumers "
         "read stale shared memory): what re-reading a tile's intermediate rows from L2 for every row tile costs",
@@ -157,12 +157,12 @@ VARIANTS = {
         [_E4M3_64_WRAPPER,
          (("    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n",
            "    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n" + _E4M3_WIDE_DISPATCH),),
-         (("                for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, w[2 * q + h], scales[h], block, kWide);\n"
-           "                wgmma_fence();\n"
+         (("            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);\n"
+           "            wgmma_fence();\n"
            "#pragma unroll\n"
-           "                for (int step = 0; step < 2; ++step)\n"
-           "                    wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,\n"
-           "                                       !first_of_tile || block > 0 || step > 0);\n",
+           "            for (int step = 0; step < 2; ++step)\n"
+           "                wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,\n"
+           "                                    !first_of_tile || block > 0 || step > 0);\n",
            _E4M3_FOLDED_BLOCK),)]),
     "plain_e4m3_mma": (
         "the plain configs' warps (the 64-token wgmma stage 1) take one e4m3 m64n64k32 MMA per scale block "
