@@ -249,23 +249,6 @@ MOE_HD uint32_t e2m1_to_e4m3_shifted(uint32_t code, int d) {
     // here, and frac is 0 at -2: only code 1 gets that low).
     return sign | ((2u + frac) << (biased + 2)) >> 1;
 }
-// Stage 2's folded activations (fold_inter_rows_kernel) from Qa's bf16
-// values of the intermediate rows: the E4M3 byte of a value (bf16 bits:
-// zero, or +-{1, 1.5} * 2^x, an E2M1 code times a power of two) times
-// 2^-base, through e2m1_to_e4m3_shifted as code 2 (1.0) or 3 (1.5) shifted
-// by x - base. exact is false where no byte holds that value: below E4M3's
-// subnormals or above 384 at that base, NaN, infinity, a bf16 subnormal.
-MOE_HD uint32_t qa_bf16_to_folded_e4m3(uint32_t bits, int base, bool& exact) {
-    const uint32_t sign = bits >> 15 & 1u, field = bits >> 7 & 0xFFu, mantissa = bits & 0x7Fu;
-    if (field == 0) {
-        exact = mantissa == 0;
-        return exact ? sign << 7 : 0u;
-    }
-    const bool one_and_half = mantissa == 0x40u;
-    const int d = (int)field - 127 - base;
-    exact = field != 255 && (mantissa == 0 || one_and_half) && d >= (one_and_half ? -8 : -9) && d <= 8;
-    return exact ? e2m1_to_e4m3_shifted((one_and_half ? 3u : 2u) | sign << 3, d) : 0u;
-}
 // Where the wide stage 1's folded activations put a block's value p: its
 // weight fragments (fp4_word_to_folded_e4m3) give word t's values 0-3 as k
 // 4t..4t+3 and values 4-7 as k 16+4t..16+4t+3 of the k32 MMA.
@@ -2419,72 +2402,131 @@ __device__ __forceinline__ void wide_compute_stage_folded(
     });
 }
 
+// Four floats times 2^-base as E4M3 bytes (v[0] in the low byte), through
+// the hardware conversion (round to nearest, saturating). exact is cleared
+// unless each byte times 2^base gives its value back: not for a value below
+// E4M3's subnormals or above 448 at that base, nor NaN or infinity. Both
+// products are exact where it matters: 2^-base and 2^base are normal (base
+// in [-100, 119]), a byte times 2^base lies in [2^-109, 2^128), and a value
+// whose scaled form rounds (an f32 subnormal) does not come back.
+__device__ __forceinline__ uint32_t fold_four_e4m3(const float (&v)[4], float down, float up, bool& exact) {
+#ifdef MOE_HAS_WGMMA
+    uint32_t word = 0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        uint16_t bytes;
+        uint32_t halves;
+        float back0, back1;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(bytes) : "f"(v[2 * half + 1] * down), "f"(v[2 * half] * down));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(bytes));
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+            : "=f"(back0), "=f"(back1) : "r"(halves));
+        exact &= back0 * up == v[2 * half] && back1 * up == v[2 * half + 1];
+        word |= (uint32_t)bytes << (16 * half);
+    }
+    return word;
+#else
+    __trap();
+    return 0;
+#endif
+}
+
 // Stage 2's folded activations, from the bf16 rows of inter (Qa's values,
 // at act_position in each block) once stage 1 has written them. A warp per
-// row, each lane a block at a time over the row's first `blocks` (those of
-// d_expert; any later ones may be unwritten, and the TMA map reads them as
-// zeros), finds the row's largest exponent x and writes each value times
-// 2^-base, base = x - 8, as the E4M3 byte qa_bf16_to_folded_e4m3 gives, at
-// folded_act_position; and the row's routing weight times 2^base into
+// row over the row's first `blocks` (those of d_expert; any later ones may
+// be unwritten, and the TMA map reads them as zeros): the row's largest
+// exponent x, then each value times 2^-base, base = x - 8, as an E4M3 byte
+// at folded_act_position; and the row's routing weight times 2^base into
 // folded_weights, which stage 2 multiplies its sums by instead of the
-// weight. A row with a value no byte holds exactly (about 17 binades below
-// the row's largest, or not finite), or whose largest is below 2^-92, sets
-// *stage2_redo, and stage 2 runs in bf16 instead.
-constexpr int kFoldInterThreads = 256;
+// weight. A row with a value no byte holds exactly (fold_four_e4m3), or
+// whose largest is below 2^-92, sets *stage2_redo, and stage 2 runs in bf16
+// instead.
+//
+// Lane l reads half l % 2 of each 16-byte chunk of block l / 2 (16 blocks a
+// pass): chunk c holds values c, c + 4, .., c + 28 (act_position), so half
+// p's four values j = 4p..4p+3 of the four chunks are the bytes c of four
+// folded words, 2p and 2p + 1 at byte 8p, 2p + 4 and 2p + 5 at 16 + 8p.
+// The first kFoldCachedPasses passes (d_expert up to 2048) stay in
+// registers between the maximum and the conversion; longer rows are read
+// again.
+constexpr int kFoldInterThreads = 256, kFoldBlocksPerPass = 16, kFoldCachedPasses = 4;
 __global__ void __launch_bounds__(kFoldInterThreads) fold_inter_rows_kernel(
         const uint8_t* __restrict__ inter, int num_pairs, int d_expert_pad, int blocks,
         const float* __restrict__ sorted_weights, uint8_t* __restrict__ folded, float* __restrict__ folded_weights,
         int* __restrict__ stage2_redo) {
     wait_for_previous_kernel();
     let_next_kernel_launch();
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, half = lane & 1;
+    const int passes = (blocks + kFoldBlocksPerPass - 1) / kFoldBlocksPerPass;
     const int warps = gridDim.x * (kFoldInterThreads / 32);
     for (int row = blockIdx.x * (kFoldInterThreads / 32) + threadIdx.x / 32; row < num_pairs; row += warps) {
-        // A block's 32 bf16 values: four 16-byte chunks.
-        const uint4* values = reinterpret_cast<const uint4*>(inter + (size_t)row * d_expert_pad * 2);
-        uint32_t largest = 0;   // exponent field; NaN and infinity (255) make the row fail below
-        for (int block = lane; block < blocks; block += 32)
+        const uint8_t* values = inter + (size_t)row * d_expert_pad * 2;
+        auto load = [&](int pass, uint2 (&halves)[4]) {
+            const int block = pass * kFoldBlocksPerPass + lane / 2;
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                halves[c] = block < blocks ? *reinterpret_cast<const uint2*>(values + block * 64 + 16 * c + 8 * half)
+                                           : make_uint2(0u, 0u);
+        };
+        // The largest magnitudes' bits of the low and the high bf16 of each
+        // word (NaN and infinity give 255 and fail below).
+        uint32_t largest_low = 0, largest_high = 0;
+        auto take_largest = [&](const uint2 (&halves)[4]) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const uint4 chunk = values[4 * block + c];
-                const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const uint32_t field = words[j / 2] >> (16 * (j & 1) + 7) & 0xFFu;
-                    largest = field == 255u ? largest : max(largest, field);
-                }
+                largest_low = max(largest_low, max(halves[c].x & 0x7FFFu, halves[c].y & 0x7FFFu));
+                largest_high = max(largest_high, max(halves[c].x & 0x7FFF0000u, halves[c].y & 0x7FFF0000u));
             }
+        };
+        uint2 cached[kFoldCachedPasses][4];
+#pragma unroll
+        for (int pass = 0; pass < kFoldCachedPasses; ++pass) {
+            load(pass, cached[pass]);
+            take_largest(cached[pass]);
+        }
+        for (int pass = kFoldCachedPasses; pass < passes; ++pass) {
+            uint2 halves[4];
+            load(pass, halves);
+            take_largest(halves);
+        }
+        uint32_t largest = max(largest_low >> 7, largest_high >> 23);
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1)
             largest = max(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
         // An all-zero row folds at any base; one whose largest is below
         // 2^-92 (field 35) does not, so that its weight times 2^base stays
         // a normal float.
-        const int base = largest == 0 ? 0 : max((int)largest - 127 - 8, -127);
+        const int base = largest == 0 ? 0 : (int)largest - 127 - 8;
         bool exact = largest == 0 || largest >= 35;
-        for (int block = lane; block < blocks; block += 32) {
-            uint32_t bytes[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+        const float down = exact_pow2(-base), up = exact_pow2(base);
+        auto fold = [&](int pass, const uint2 (&halves)[4]) {
+            const int block = pass * kFoldBlocksPerPass + lane / 2;
+            if (block >= blocks) return;
+            uint32_t words[4];   // j = 4 * half + i
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const uint4 chunk = values[4 * block + c];
-                const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+            for (int i = 0; i < 4; ++i) {
+                float v[4];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    // act_position 8c + j holds value 8q + 4h + c (q = j / 2, h = j % 2).
-                    const int position = folded_act_position(8 * (j >> 1) + 4 * (j & 1) + c);
-                    bool value_exact;
-                    const uint32_t byte = qa_bf16_to_folded_e4m3(words[j / 2] >> (16 * (j & 1)) & 0xFFFFu, base,
-                                                                 value_exact);
-                    exact &= value_exact;
-                    bytes[position / 4] |= byte << (8 * (position % 4));
+                for (int c = 0; c < 4; ++c) {
+                    const uint32_t word = i < 2 ? halves[c].x : halves[c].y;
+                    v[c] = bits_to_float(i % 2 ? word & 0xFFFF0000u : word << 16);
                 }
+                words[i] = fold_four_e4m3(v, down, up, exact);
             }
-            uint4* out = reinterpret_cast<uint4*>(folded + (size_t)row * d_expert_pad + block * kScaleBlock);
-            out[0] = make_uint4(bytes[0], bytes[1], bytes[2], bytes[3]);
-            out[1] = make_uint4(bytes[4], bytes[5], bytes[6], bytes[7]);
+            uint8_t* out = folded + (size_t)row * d_expert_pad + block * kScaleBlock;
+            *reinterpret_cast<uint2*>(out + 8 * half) = make_uint2(words[0], words[2]);
+            *reinterpret_cast<uint2*>(out + 16 + 8 * half) = make_uint2(words[1], words[3]);
+        };
+#pragma unroll
+        for (int pass = 0; pass < kFoldCachedPasses; ++pass)
+            if (pass < passes) fold(pass, cached[pass]);
+        for (int pass = kFoldCachedPasses; pass < passes; ++pass) {
+            uint2 halves[4];
+            load(pass, halves);
+            fold(pass, halves);
         }
         if (!__all_sync(0xFFFFFFFFu, exact) && lane == 0) *stage2_redo = 1;
-        if (lane == 0) folded_weights[row] = sorted_weights[row] * exact_pow2(base);
+        if (lane == 0) folded_weights[row] = sorted_weights[row] * up;
     }
 }
 
