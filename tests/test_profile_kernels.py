@@ -2,6 +2,9 @@
 import os
 import sys
 
+import pytest
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import profile_kernels  # noqa: E402
 
@@ -49,3 +52,15 @@ def test_once_runs_the_named_solution_file(tmp_path, monkeypatch, capsys):
     profile_kernels.once("1", str(other))
     assert calls.read_text() == "2 2 "
     assert capsys.readouterr().out == "b done\n"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the profiler's CUDA events)")
+def test_a_cold_call_leaves_out_the_flush_and_the_spin():
+    """profiled_kernels(cold=True) runs the L2 flush and the spin before the
+    call, as eval.py times it, and reports the call's kernels alone: here
+    the one kernel of an in-place add, which no flush or spin launches."""
+    x = torch.zeros(1 << 20, device="cuda")
+    warm = profile_kernels.profiled_kernels(lambda t: t.add_(1.0), x, 1)
+    cold = profile_kernels.profiled_kernels(lambda t: t.add_(1.0), x, 1, cold=True)
+    assert len(warm) == 1
+    assert [name for _, _, name in cold] == [name for _, _, name in warm]

@@ -11,10 +11,12 @@
                                                 to find where the chooser should switch configs
     python tools/profile_kernels.py --timeline N [SOLUTION.py ...]
                                                 one call on benchmark shape N (0-6) by each version
-                                                named (default this checkout's): each kernel's start,
-                                                end and us from the call's first kernel, in launch
-                                                order, by its full template name (the per-kernel view
-                                                adds a kernel's instantiations together)
+                                                named (default this checkout's), as eval.py times it
+                                                (after an L2 flush, its launch hidden behind a spin):
+                                                each kernel's start, end and us from the call's first
+                                                kernel, in launch order, by its full template name
+                                                (the per-kernel view adds a kernel's instantiations
+                                                together, and runs its calls warm)
     python tools/profile_kernels.py --once N [SOLUTION.py]
                                                 benchmark shape N (0-6, or all) called twice, by this
                                                 checkout's solution.py or the one named, for ncu and
@@ -80,18 +82,33 @@ def kernel_name(event_name: str) -> str:
     return event_name.split("(")[0].replace("void ", "").replace("moe::", "")
 
 
-def profiled_kernels(call, data, repeats: int) -> list:
+def profiled_kernels(call, data, repeats: int, cold: bool = False) -> list:
     """(start, end, kernel_name) of every kernel that `repeats` calls of
     call(data) launch under torch.profiler, after one call unprofiled; the
-    calls are synchronised apart, so gaps between kernels show."""
+    calls are synchronised apart, so gaps between kernels show. cold: each
+    call as eval.py times it (CudaTimer.cold_start: the L2 flushed and the
+    launch hidden behind a spin), so that the gaps are the device's, not
+    the host's; the flush's and the spin's own kernels are left out."""
     call(data)
     torch.cuda.synchronize()
+    timer = harness.cuda_timer() if cold else None
+    start_kernels = set()
+    if cold:
+        timer.hide_host_cost(harness.host_call_ns(call, data))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            timer.cold_start()
+            torch.cuda.synchronize()
+        start_kernels = {event.name for event in prof.events()
+                         if event.device_type == torch.autograd.DeviceType.CUDA}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
+            if cold:
+                timer.cold_start()
             call(data)
             torch.cuda.synchronize()
     return [(event.time_range.start, event.time_range.end, kernel_name(event.name))
-            for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+            for event in prof.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA and event.name not in start_kernels]
 
 
 def kernel_times(call, data, repeats: int, spans: list = None) -> dict:
@@ -114,8 +131,9 @@ def timeline(which: str, solution_paths: list) -> None:
     label, data = list(benchmark_inputs())[int(which)]
     versions = [(path, ab_bench.load(path, f"timeline_version_{i}")) for i, path in enumerate(solution_paths)]
     for path, version in versions or [("solution.py", solution)]:
-        events = profiled_kernels(version.custom_kernel, data, 1)
-        print(f"{label}, {path}: {'start':>8} {'end':>8} {'us':>7}  kernel (one call, no L2 flush)")
+        events = profiled_kernels(version.custom_kernel, data, 1, cold=True)
+        print(f"{label}, {path}: {'start':>8} {'end':>8} {'us':>7}  kernel (one call as timed: L2 flushed, "
+              "launch hidden)")
         for start, end, name in call_timeline(events):
             print(f"{'':<{len(label) + len(path) + 3}}{start:8.1f} {end:8.1f} {end - start:7.1f}  {name}")
         print(flush=True)
