@@ -94,6 +94,25 @@ constexpr int kScaleBlock = 32;        // values per E8M0 scale
 constexpr int kMaxExperts = 4096;      // routing keeps 3 ints per expert in shared memory
 constexpr int kRows = 128;             // weight rows per GEMM CTA
 
+// The first scale block of slice z of stage 1's k_blocks in `slices` slices
+// that halve: of the K's S stages (stage_blocks each), slice z < slices - 1
+// covers stages [S - (S >> z), S - (S >> (z + 1))), the last one the rest;
+// k_blocks for z = slices. The grid runs slice 0's CTAs first, so the short
+// slices come last and fill the last wave's gaps: with equal slices a last
+// wave of a few CTAs left most SMs idle for a whole slice (272 CTAs on 264
+// slots at bs=128 E=33). Every slice is non-empty while slices <=
+// log2(S) + 1 (max_halving_slices).
+MOE_HD int halving_slice_first_block(int z, int slices, int k_blocks, int stage_blocks) {
+    const int stages = (k_blocks + stage_blocks - 1) / stage_blocks;
+    const int first = (stages - (stages >> z)) * stage_blocks;
+    return z >= slices || first > k_blocks ? k_blocks : first;
+}
+MOE_HD int max_halving_slices(int k_blocks, int stage_blocks) {
+    int stages = (k_blocks + stage_blocks - 1) / stage_blocks, slices = 1;
+    while (stages >>= 1) ++slices;
+    return slices;
+}
+
 MOE_HD float bits_to_float(uint32_t bits) {
 #ifdef __CUDA_ARCH__
     return __uint_as_float(bits);
@@ -1861,12 +1880,13 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
 }
 
 // CTA (tile, blockIdx.y, blockIdx.z): intermediate columns [64*y, 64*y+64)
-// of the tile's rows over the z-th of gridDim.z slices of K, split_blocks
-// scale blocks each. Local weight rows 16c..16c+15 (one MMA m-tile) are the
-// gate rows of columns 8c..8c+7 and then their up rows, so each thread's
-// accumulators hold a gate value and its up value. With one slice the CTA
-// finishes the columns (SwiGLU, Qa into inter); with several it stores its
-// fp32 (gate, up) pairs to partial[z][row][col] for swiglu_quantize_kernel.
+// of the tile's rows over the z-th of gridDim.z slices of K
+// (halving_slice_first_block). Local weight rows 16c..16c+15 (one MMA
+// m-tile) are the gate rows of columns 8c..8c+7 and then their up rows, so
+// each thread's accumulators hold a gate value and its up value. With one
+// slice the CTA finishes the columns (SwiGLU, Qa into inter); with several
+// it stores its fp32 (gate, up) pairs to partial[z][row][col] for
+// swiglu_quantize_kernel.
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
                                   GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage1MinBlocks) stage1_kernel(
@@ -1874,7 +1894,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad,
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs,
         const __grid_constant__ TensorMap weight_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
@@ -1885,15 +1905,21 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int col0 = blockIdx.y * kStage1Columns;
-    const int first_block = blockIdx.z * split_blocks;
-    const int k_blocks = min(split_blocks, (d_hidden + kScaleBlock - 1) / kScaleBlock - first_block);
     const size_t expert_rows = 2 * (size_t)d_expert_pad;
-    const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2) + first_block * 16;
-    const uint8_t* scale = gate_up_scale + tile.expert * expert_rows * (d_hidden_pad / kScaleBlock) + first_block;
     auto weight_row_of = [&](int r) {
         return ((r >> 3) & 1) * d_expert_pad + col0 + (r >> 4) * 8 + (r & 7);
     };
     auto token_of = [&](int i) { return i < tile.rows ? sorted_tokens[tile.row_start + i] : -1; };
+    // The slice's K range, kept in shared memory for a second pass, which
+    // reads it there again rather than holding its addresses in registers
+    // over the first (the 24-token kernel, at its 128-register cap, spilled).
+    __shared__ int slice_range[2];
+    if (tid == 0) {
+        const int all_blocks = (d_hidden + kScaleBlock - 1) / kScaleBlock;
+        slice_range[0] = halving_slice_first_block(blockIdx.z, gridDim.z, all_blocks, SB);
+        slice_range[1] = halving_slice_first_block(blockIdx.z + 1, gridDim.z, all_blocks, SB);
+    }
+    __syncthreads();
 
     // e4m3: K on the narrow path, checking the scales on the way instead of
     // voting per stage; in the rare CTA whose scales need the wide path, K
@@ -1903,6 +1929,10 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // hot path.
     float acc[MT][WT][4];
     auto mainloop = [&](auto path) {
+        const int first_block = reinterpret_cast<volatile int*>(slice_range)[0];
+        const int k_blocks = reinterpret_cast<volatile int*>(slice_range)[1] - first_block;
+        const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2) + first_block * 16;
+        const uint8_t* scale = gate_up_scale + tile.expert * expert_rows * (d_hidden_pad / kScaleBlock) + first_block;
         // The TMA boxes (kStage1WeightBoxes): the gate rows of the CTA's
         // columns and then their up rows, d_expert_pad map rows later.
         const WeightBoxes boxes = {&weight_map, (int)(tile.expert * expert_rows) + col0, d_expert_pad,
@@ -2162,7 +2192,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);                          \
+        uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);                               \
     template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
         int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
@@ -3101,7 +3131,8 @@ int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCo
 // idle. Slices multiply the CTAs; each costs a write and a read of fp32
 // partial sums, so take the fewest slices whose CTAs fill their last wave to
 // at least 85% (at most one slice per four stages of K; the best fill there
-// if none reaches 85%).
+// if none reaches 85%). That counts equal slices, as the wide stage 1 runs
+// them; the plain stage 1's halve (halving_stage1_slices).
 int splits_to_fill(long long slots, long long ctas, int k_stages) {
     int best = 1;
     double best_fill = 0.0;
@@ -3175,7 +3206,7 @@ struct TileTable {
 // Stage 1's K in slices of whole stages: returns the scale blocks per slice
 // and the fp32 partial sums the slices write (undefined for one slice).
 struct Stage1Slices {
-    int blocks;
+    int blocks;   // the largest slice's scale blocks
     torch::Tensor partial;
     float2* partial_ptr() const {
         return partial.defined() ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
@@ -3189,6 +3220,14 @@ Stage1Slices stage1_slices(const MoeCall& c, int splits, int stage_blocks) {
     if ((k_blocks + blocks - 1) / blocks > 1)
         slices.partial = torch::empty({(k_blocks + blocks - 1) / blocks, c.num_pairs, c.d_expert_pad, 2},
                                       c.accumulator.options());
+    return slices;
+}
+// The plain stage 1's slices (stage1_kernel): as many as asked that halve
+// (halving_slice_first_block), at most max_halving_slices.
+Stage1Slices halving_stage1_slices(const MoeCall& c, int splits, int stage_blocks) {
+    const int k_blocks = c.k_blocks1(), n = std::min(splits, max_halving_slices(k_blocks, stage_blocks));
+    Stage1Slices slices{halving_slice_first_block(1, n, k_blocks, stage_blocks), torch::Tensor()};
+    if (n > 1) slices.partial = torch::empty({n, c.num_pairs, c.d_expert_pad, 2}, c.accumulator.options());
     return slices;
 }
 // After a sliced stage 1: the slices' sum through SwiGLU, quantised into inter.
@@ -3241,13 +3280,14 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     };
     allow_shared_memory(stage1, shared_bytes(SB * STAGES));   // the most of any launch: K fills every slot
     const int k_blocks = c.k_blocks1();
-    const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
+    const Stage1Slices slices = halving_stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks), SB);
-    launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), (k_blocks + slices.blocks - 1) / slices.blocks),
-        S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
+    const int n_slices = slices.partial.defined() ? (int)slices.partial.size(0) : 1;
+    launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), n_slices),
+        S::kThreads, shared_bytes(slices.blocks), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
         c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad, c.d_expert,
-        c.d_expert_pad, slices.blocks, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
+        c.d_expert_pad, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
         S::kStage1WeightBoxes > 0 ? gate_up_map(c, SB) : TensorMap{});
     launch_swiglu_quantize<FP8>(c, slices);
 }

@@ -231,13 +231,14 @@ def test_hidden_rows_wider_than_one_quantize_cta():
 
 
 @needs_cuda
-@pytest.mark.parametrize("splits,row_tiles", [(1, 1), (3, 3), (2, 8)], ids=lambda n: str(n))
+@pytest.mark.parametrize("splits,row_tiles", [(1, 1), (5, 3), (2, 8)], ids=lambda n: str(n))
 @pytest.mark.parametrize("config", solution.GEMM_CONFIGS, ids=lambda c: str(c).replace("/", "-"))
 @pytest.mark.parametrize("shape", [(7168, 256, 32, 8, 1, 100, 21), (2000, 300, 8, 3, 1, 77, 22),
                                    (1024, 256, 4, 2, 1, 300, 23)], ids=str)
 def test_every_gemm_config(shape, config, splits, row_tiles):
     """Each compiled configuration, not only the ones the chooser picks today,
-    with stage 1's K whole and in two and three slices, and stage 2's CTAs
+    with stage 1's K whole and in two and five halving slices (four where K
+    has 8 stages: 63 blocks at 8 per stage), and stage 2's CTAs
     over one row tile, three (the last CTA of each row then has fewer) and
     eight (more stages than the pipeline has slots, so the ring wraps); K of
     224 and 63 scale blocks (stage 1) and 10 (stage 2, d_expert 300) end
@@ -623,6 +624,9 @@ int main() {
         else if (!strcmp(kind, "qa")) out = moe::float_to_bits(moe::exact_pow2(moe::qa_exponent(f)));
         else if (!strcmp(kind, "shifted")) out = moe::e2m1_to_e4m3_shifted(x & 15u, (int)(x >> 4) - 8);
         else if (!strcmp(kind, "foldposition")) out = moe::folded_act_position((int)x);
+        else if (!strcmp(kind, "slice"))   // z, slices, stage blocks, K blocks: a byte each
+            out = moe::halving_slice_first_block(x >> 24, (x >> 16) & 255, x & 255, (x >> 8) & 255);
+        else if (!strcmp(kind, "maxslices")) out = moe::max_halving_slices(x & 255, (x >> 8) & 255);
         else if (!strncmp(kind, "foldx", 5) || !strncmp(kind, "foldy", 5)) {
             uint32_t lo, hi;
             moe::folded_e4m3_table(atoi(kind + 5), lo, hi);
@@ -714,6 +718,29 @@ def bf16_halves(word):
     """The two bf16 values (low half first) of a 32-bit word, as floats."""
     halves = torch.tensor([(word & 0xFFFF) << 16, (word >> 16) << 16], dtype=torch.int64)
     return halves.to(torch.int32).view(torch.float32).tolist()
+
+
+def test_halving_slices_cover_k_in_whole_stages(helpers):
+    """Stage 1's halving K slices (halving_slice_first_block): they start at
+    0, end at K, are each non-empty up to max_halving_slices (one more would
+    leave one empty), end on whole stages except at K, the first is half the
+    stages (rounded up), and none is larger than the one before it."""
+    for k_blocks in (1, 7, 10, 63, 64, 224, 255):
+        for stage_blocks in (4, 8):
+            stages = -(-k_blocks // stage_blocks)
+            most = helpers("maxslices", [stage_blocks << 8 | k_blocks])[0]
+            assert most == stages.bit_length()
+            for slices in range(1, most + 2):
+                bounds = helpers("slice", [z << 24 | slices << 16 | stage_blocks << 8 | k_blocks
+                                           for z in range(slices + 1)])
+                assert bounds[0] == 0 and bounds[-1] == k_blocks
+                sizes = [-(-(b - a) // stage_blocks) for a, b in zip(bounds, bounds[1:])]
+                if slices > most:
+                    assert 0 in sizes
+                    continue
+                assert all(b % stage_blocks == 0 for b in bounds[:-1])
+                assert min(sizes) > 0 and sizes == sorted(sizes, reverse=True), (k_blocks, slices, sizes)
+                assert slices == 1 or sizes[0] == -(-stages // 2)
 
 
 def test_e2m1_code_matches_the_reference(helpers):
