@@ -942,6 +942,9 @@ struct GemmShape {
     // bf16 warpgroup MMAs may still read a stage after the warps leave it
     // (see gemm_mainloop's kAhead); e4m3 ones are waited for per stage.
     static constexpr bool kAsyncStages = WG && !FP8;
+    // Stage 1's K slices halve (halving_slice_first_block) in the bf16
+    // kernels; the e4m3 ones keep equal slices (launch_stage1 says why).
+    static constexpr bool kHalvingSlices = !FP8;
     static constexpr int kTokens = NT * 8;
     static constexpr int kMTiles = MT, kWarpTiles = WT, kStageBlocks = SB, kStages = STAGES;
     static constexpr int kWarpRows = MT * 16;
@@ -1881,12 +1884,12 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
 
 // CTA (tile, blockIdx.y, blockIdx.z): intermediate columns [64*y, 64*y+64)
 // of the tile's rows over the z-th of gridDim.z slices of K
-// (halving_slice_first_block). Local weight rows 16c..16c+15 (one MMA
-// m-tile) are the gate rows of columns 8c..8c+7 and then their up rows, so
-// each thread's accumulators hold a gate value and its up value. With one
-// slice the CTA finishes the columns (SwiGLU, Qa into inter); with several
-// it stores its fp32 (gate, up) pairs to partial[z][row][col] for
-// swiglu_quantize_kernel.
+// (halving_slice_first_block if S::kHalvingSlices, else split_blocks scale
+// blocks each). Local weight rows 16c..16c+15 (one MMA m-tile) are the gate
+// rows of columns 8c..8c+7 and then their up rows, so each thread's
+// accumulators hold a gate value and its up value. With one slice the CTA
+// finishes the columns (SwiGLU, Qa into inter); with several it stores its
+// fp32 (gate, up) pairs to partial[z][row][col] for swiglu_quantize_kernel.
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
                                   GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage1MinBlocks) stage1_kernel(
@@ -1894,7 +1897,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
-        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs,
         const __grid_constant__ TensorMap weight_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
@@ -1905,21 +1908,22 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int col0 = blockIdx.y * kStage1Columns;
+    // (The e4m3 kernels' expressions as they were: the 24-token kernel, at
+    // its 128-register cap, spilled with the same values written otherwise.)
+    int first_block = blockIdx.z * split_blocks;
+    int k_blocks = min(split_blocks, (d_hidden + kScaleBlock - 1) / kScaleBlock - first_block);
+    if constexpr (S::kHalvingSlices) {
+        const int all_blocks = (d_hidden + kScaleBlock - 1) / kScaleBlock;
+        first_block = halving_slice_first_block(blockIdx.z, gridDim.z, all_blocks, SB);
+        k_blocks = halving_slice_first_block(blockIdx.z + 1, gridDim.z, all_blocks, SB) - first_block;
+    }
     const size_t expert_rows = 2 * (size_t)d_expert_pad;
+    const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2) + first_block * 16;
+    const uint8_t* scale = gate_up_scale + tile.expert * expert_rows * (d_hidden_pad / kScaleBlock) + first_block;
     auto weight_row_of = [&](int r) {
         return ((r >> 3) & 1) * d_expert_pad + col0 + (r >> 4) * 8 + (r & 7);
     };
     auto token_of = [&](int i) { return i < tile.rows ? sorted_tokens[tile.row_start + i] : -1; };
-    // The slice's K range, kept in shared memory for a second pass, which
-    // reads it there again rather than holding its addresses in registers
-    // over the first (the 24-token kernel, at its 128-register cap, spilled).
-    __shared__ int slice_range[2];
-    if (tid == 0) {
-        const int all_blocks = (d_hidden + kScaleBlock - 1) / kScaleBlock;
-        slice_range[0] = halving_slice_first_block(blockIdx.z, gridDim.z, all_blocks, SB);
-        slice_range[1] = halving_slice_first_block(blockIdx.z + 1, gridDim.z, all_blocks, SB);
-    }
-    __syncthreads();
 
     // e4m3: K on the narrow path, checking the scales on the way instead of
     // voting per stage; in the rare CTA whose scales need the wide path, K
@@ -1929,10 +1933,6 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // hot path.
     float acc[MT][WT][4];
     auto mainloop = [&](auto path) {
-        const int first_block = reinterpret_cast<volatile int*>(slice_range)[0];
-        const int k_blocks = reinterpret_cast<volatile int*>(slice_range)[1] - first_block;
-        const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2) + first_block * 16;
-        const uint8_t* scale = gate_up_scale + tile.expert * expert_rows * (d_hidden_pad / kScaleBlock) + first_block;
         // The TMA boxes (kStage1WeightBoxes): the gate rows of the CTA's
         // columns and then their up rows, d_expert_pad map rows later.
         const WeightBoxes boxes = {&weight_map, (int)(tile.expert * expert_rows) + col0, d_expert_pad,
@@ -2192,7 +2192,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);                               \
+        int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);                          \
     template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
         int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
@@ -3131,8 +3131,8 @@ int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCo
 // idle. Slices multiply the CTAs; each costs a write and a read of fp32
 // partial sums, so take the fewest slices whose CTAs fill their last wave to
 // at least 85% (at most one slice per four stages of K; the best fill there
-// if none reaches 85%). That counts equal slices, as the wide stage 1 runs
-// them; the plain stage 1's halve (halving_stage1_slices).
+// if none reaches 85%). That counts equal slices; the bf16 plain stage 1's
+// halve (halving_stage1_slices).
 int splits_to_fill(long long slots, long long ctas, int k_stages) {
     int best = 1;
     double best_fill = 0.0;
@@ -3280,14 +3280,18 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     };
     allow_shared_memory(stage1, shared_bytes(SB * STAGES));   // the most of any launch: K fills every slot
     const int k_blocks = c.k_blocks1();
-    const Stage1Slices slices = halving_stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
-        : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks), SB);
+    // Halving slices took the bf16 64-token stage 1 at bs=128 E=33 from 90.3
+    // to 88.9 us (five slices, 0.983 of the call); in the e4m3 kernels the
+    // same change cost 0.5-2% (H200, 2026-12-02).
+    const int splits = c.requested_splits > 0 ? c.requested_splits
+        : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks);
+    const Stage1Slices slices = S::kHalvingSlices ? halving_stage1_slices(c, splits, SB) : stage1_slices(c, splits, SB);
     const int n_slices = slices.partial.defined() ? (int)slices.partial.size(0) : 1;
     launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), n_slices),
-        S::kThreads, shared_bytes(slices.blocks), c.stream,
+        S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
         c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad, c.d_expert,
-        c.d_expert_pad, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
+        c.d_expert_pad, slices.blocks, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
         S::kStage1WeightBoxes > 0 ? gate_up_map(c, SB) : TensorMap{});
     launch_swiglu_quantize<FP8>(c, slices);
 }

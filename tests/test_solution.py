@@ -237,8 +237,8 @@ def test_hidden_rows_wider_than_one_quantize_cta():
                                    (1024, 256, 4, 2, 1, 300, 23)], ids=str)
 def test_every_gemm_config(shape, config, splits, row_tiles):
     """Each compiled configuration, not only the ones the chooser picks today,
-    with stage 1's K whole and in two and five halving slices (four where K
-    has 8 stages: 63 blocks at 8 per stage), and stage 2's CTAs
+    with stage 1's K whole and in two and five slices (halving in the bf16
+    kernels; fewer where K has fewer whole stages), and stage 2's CTAs
     over one row tile, three (the last CTA of each row then has fewer) and
     eight (more stages than the pipeline has slots, so the ring wraps); K of
     224 and 63 scale blocks (stage 1) and 10 (stage 2, d_expert 300) end
