@@ -3281,8 +3281,9 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     allow_shared_memory(stage1, shared_bytes(SB * STAGES));   // the most of any launch: K fills every slot
     const int k_blocks = c.k_blocks1();
     // Halving slices took the bf16 64-token stage 1 at bs=128 E=33 from 90.3
-    // to 88.9 us (five slices, 0.983 of the call); in the e4m3 kernels the
-    // same change cost 0.5-2% (H200, 2026-12-02).
+    // to 87.3 us (five slices; 0.977 of the call). The 8-token e4m3 stage 1
+    // at bs=16 E=33 (five slices) measured 0.996, inside the noise, so the
+    // e4m3 kernels keep equal slices and their code (H200, 2026-12-02).
     const int splits = c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks);
     const Stage1Slices slices = S::kHalvingSlices ? halving_stage1_slices(c, splits, SB) : stage1_slices(c, splits, SB);
