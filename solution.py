@@ -3203,11 +3203,15 @@ struct TileTable {
     int max_tiles, estimate;
 };
 
-// Stage 1's K in slices of whole stages: returns the scale blocks per slice
+// Stage 1's K in slices of whole stages: the largest slice's scale blocks,
 // and the fp32 partial sums the slices write (undefined for one slice).
 struct Stage1Slices {
-    int blocks;   // the largest slice's scale blocks
+    int blocks;
     torch::Tensor partial;
+    Stage1Slices(const MoeCall& c, int blocks, int count) : blocks(blocks) {
+        if (count > 1) partial = torch::empty({count, c.num_pairs, c.d_expert_pad, 2}, c.accumulator.options());
+    }
+    int count() const { return partial.defined() ? (int)partial.size(0) : 1; }
     float2* partial_ptr() const {
         return partial.defined() ? reinterpret_cast<float2*>(partial.data_ptr<float>()) : nullptr;
     }
@@ -3216,25 +3220,19 @@ Stage1Slices stage1_slices(const MoeCall& c, int splits, int stage_blocks) {
     const int k_blocks = c.k_blocks1();
     // Rounding up to whole stages may leave fewer, fuller slices.
     const int blocks = ((k_blocks + splits - 1) / splits + stage_blocks - 1) / stage_blocks * stage_blocks;
-    Stage1Slices slices{blocks, torch::Tensor()};
-    if ((k_blocks + blocks - 1) / blocks > 1)
-        slices.partial = torch::empty({(k_blocks + blocks - 1) / blocks, c.num_pairs, c.d_expert_pad, 2},
-                                      c.accumulator.options());
-    return slices;
+    return Stage1Slices(c, blocks, (k_blocks + blocks - 1) / blocks);
 }
 // The plain stage 1's slices (stage1_kernel): as many as asked that halve
 // (halving_slice_first_block), at most max_halving_slices.
 Stage1Slices halving_stage1_slices(const MoeCall& c, int splits, int stage_blocks) {
     const int k_blocks = c.k_blocks1(), n = std::min(splits, max_halving_slices(k_blocks, stage_blocks));
-    Stage1Slices slices{halving_slice_first_block(1, n, k_blocks, stage_blocks), torch::Tensor()};
-    if (n > 1) slices.partial = torch::empty({n, c.num_pairs, c.d_expert_pad, 2}, c.accumulator.options());
-    return slices;
+    return Stage1Slices(c, halving_slice_first_block(1, n, k_blocks, stage_blocks), n);
 }
 // After a sliced stage 1: the slices' sum through SwiGLU, quantised into inter.
 template <bool FP8>
 void launch_swiglu_quantize(const MoeCall& c, const Stage1Slices& slices) {
     if (!slices.partial.defined()) return;
-    const int splits = (int)slices.partial.size(0);
+    const int splits = slices.count();
     const long long column_blocks = c.d_expert_pad / (kSwigluWarps * kScaleBlock);
     auto launch = [&](auto kernel, int rows_per_warp) {
         launch_after_previous(kernel,
@@ -3287,8 +3285,7 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     const int splits = c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks);
     const Stage1Slices slices = S::kHalvingSlices ? halving_stage1_slices(c, splits, SB) : stage1_slices(c, splits, SB);
-    const int n_slices = slices.partial.defined() ? (int)slices.partial.size(0) : 1;
-    launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), n_slices),
+    launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), slices.count()),
         S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
         c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad, c.d_expert,
@@ -3339,7 +3336,7 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     const int k_blocks = c.k_blocks1();
     const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
-    const int n_slices = (k_blocks + slices.blocks - 1) / slices.blocks;
+    const int n_slices = slices.count();
     // Persistent CTAs: every CTA slot, or fewer if the most units the routing can give are fewer.
     const long long units = (long long)t.max_tiles * c.columns1() * n_slices;
     const long long slots = (long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count();
