@@ -1,7 +1,8 @@
 """tools/device_check.sh, run with a fake python3, nvidia-smi and
-compute-sanitizer on PATH (no GPU): the A/B step leaves out versions whose
-smoke check fails or hangs and times nothing when the base or the checkout
-fails; the robust step's two halves run on their own."""
+compute-sanitizer on PATH (no GPU): nothing runs after a failed build, the
+A/B step leaves out versions whose smoke check fails or hangs and times
+nothing when the base or the checkout fails, and the robust step's two
+halves run on their own."""
 import os
 import shutil
 import subprocess
@@ -12,7 +13,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # A version file holding FAIL fails its smoke check; one holding HANG outlasts the timeout.
+# The build step reports the PyTorch fallback for a checkout holding NOBUILD.
 FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = -c ]; then
+  if grep -q NOBUILD solution.py; then echo torch; else echo cuda; fi
+fi
 if [ "$1" = tools/ab_bench.py ] && [ "$2" = --smoke ]; then
   grep -q FAIL "$3" && exit 1
   grep -q HANG "$3" && sleep 30
@@ -90,3 +95,9 @@ def test_host_step_times_the_host_cost_when_named(tmp_path):
     out = run_script(tmp_path, "ok", {}, ["host"])
     assert "python3 tools/profile_kernels.py --host" in out, out
     assert "tools/ab_bench.py" not in out, out
+
+
+def test_nothing_runs_after_the_kernels_fail_to_build(tmp_path):
+    out = run_script(tmp_path, "NOBUILD", {"base.py": "ok"}, ["tests", "ab"])
+    assert "stopping: the CUDA kernels did not build" in out, out
+    assert "pytest" not in out and "ab_bench" not in out, out

@@ -47,6 +47,10 @@ step "build"
 # The library's path is printed too: the cache may also hold other versions' (ab).
 python3 -c "import solution, torch; backend, module = solution._backend(torch.device('cuda'))
 print(backend); print('library:', getattr(module, '__file__', ''))" 2>&1 | tee "$OUT/build.log" || status=1
+if ! grep -q -x cuda "$OUT/build.log"; then
+  # Every later step would time or test the PyTorch fallback: stop while the call is cheap.
+  echo "stopping: the CUDA kernels did not build (build.log above)"; exit 1
+fi
 so=$(sed -n 's/^library: //p' "$OUT/build.log")
 if [ -n "$so" ] && command -v cuobjdump >/dev/null; then
   # What the kernels really issue: HMMA for mma.sync, HGMMA for the warpgroup
