@@ -41,13 +41,13 @@ E4M3, and the fp4 -> e4m3 conversion is cheaper than fp4 -> bf16): each
 32-value block's exact sum is scaled by its two block scales in fp32, again
 exact up to summation order. (The e4m3 mma.sync runs on sm_90 as F2FP
 conversions plus fp16 HMMA; Hopper's fp8 tensor cores are reachable only
-through wgmma.) With 144-token wide tiles and token rows of up to 8,192
-values, stage 1 runs e4m3 warpgroup MMAs on folded operands: Qa writes each
+through wgmma.) With wide tiles (64 or 144 tokens) and token rows of up to
+8,192 values, stage 1 runs e4m3 warpgroup MMAs on folded operands: Qa writes each
 token's values as E4M3 bytes against its row's largest block exponent, the
 weights fold against each row's first block, and each sum is scaled once by
 its row's and token's powers of two. That is exact wherever a row's blocks
 fit E4M3's window; where one does not, the bf16 kernel computes stage 1
-again. Stage 2 folds the same way, its intermediate rows folded by a pass
+again. At 144 tokens stage 2 folds the same way, its intermediate rows folded by a pass
 of their own after stage 1; whether all of them and all down-weight rows
 fold is known before it starts (its adds are final), and if not the bf16
 kernel does all of stage 2. Only the e4m3 tensor cores' accumulation keeps fewer bits than fp32
@@ -570,9 +570,9 @@ class KernelConfig(NamedTuple):
 
 
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
-# 64 (two CTAs per SM) for experts of 29 to 96 tokens, stage 2 only (stage 1
-# runs the config's own 64-token kernel); 144 (one CTA per SM), both stages,
-# beyond, where at 512 tokens and 32 routed experts an expert has 128 +- 11
+# 64 for experts of 29 to 96 tokens (stage 1 only in its folded e4m3 form, for
+# rows of up to 8,192 values; otherwise the config's own 64-token kernel);
+# 144 (one CTA per SM), both stages, beyond, where at 512 tokens and 32 routed experts an expert has 128 +- 11
 # tokens, which 144 cover in one tile for most experts.
 WIDE_TILE_TOKENS = (64, 144)
 
@@ -746,7 +746,8 @@ __device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) {
     return smem_addr(p) >> 4 | 1u << 16;
 }
 constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;   // atom stride; 128-byte swizzle
-""" + "".join(_wgmma_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) + _wgmma_source(144, "e4m3") + r"""
+""" + "".join(_wgmma_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) \
+    + "".join(_wgmma_source(n, "e4m3") for n in WIDE_TILE_TOKENS) + r"""
 // d(64 x 8*N8) = a(64 x 32) . b(32 x 8*N8), e4m3 in, fp32 out; d's previous
 // contents are discarded (scale-d false): one scale block's fresh sum. a
 // from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows
@@ -1831,10 +1832,11 @@ __global__ void __launch_bounds__(kFallbackThreads) folded_fallback_kernel(
     // The redo kernel's CTAs may be placed now: it waits for this kernel's end.
     let_next_kernel_launch();
     // The down scales are inputs, not any earlier kernel's output: checked
-    // before the wait, in stage 1's shadow. Rows of d_expert_pad / 32 bytes,
-    // a multiple of 8 (the host checks d_expert_pad % 256).
+    // before the wait, in stage 1's shadow (for a folded stage 2 only: none
+    // without stage2_redo). Rows of d_expert_pad / 32 bytes, a multiple of 8
+    // (the host checks d_expert_pad % 256).
     const int scale_len = d_expert_pad / kScaleBlock;
-    const long long weight_rows = (long long)n_experts * d_hidden;
+    const long long weight_rows = stage2_redo != nullptr ? (long long)n_experts * d_hidden : 0;
     bool all_fold = true;
     for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < weight_rows;
          r += (long long)gridDim.x * blockDim.x) {
@@ -2236,13 +2238,19 @@ namespace moe {
 // slot are complete); warps 0-7, two warpgroups of 64 rows, only convert, multiply
 // and add. A CTA streams row_tiles row tiles of 128 output columns, the
 // next tile's stages loading while it adds one into the accumulator.
-// What differs between the tile widths. 144 tokens (72 accumulators per
-// thread, 45 KB stages): one CTA per SM, four loading warps in stage 1 and a
-// 4-slot ring. 64 tokens, stage 2 only: two CTAs per SM, to hide the latency
-// one CTA's eight compute warps leave, in 96 registers a thread and half the
-// shared memory. (A 64-token wide stage 1, two loading warps and a 3-slot
-// ring, took 1.18x the time of the plain 64-token stage 1 at bs=128 E=33 on
-// the H200, 2026-12-01, and was dropped.)
+// What differs between the tile widths (kCtasPerSm: stage 2's CTAs per SM;
+// stage 1's are kCtasPerSm1, with a kRing1-slot ring and kProducerWarps1
+// loading warps). 144 tokens (72 accumulators per thread, 45 KB stages):
+// one CTA per SM in both stages, a 4-slot ring in stage 1. 64 tokens: stage
+// 2 at two CTAs per SM, to hide the latency one CTA's eight compute warps
+// leave, in 96 registers a thread and half the shared memory; stage 1 (the
+// folded e4m3 form only) at one CTA per SM with a 6-slot ring of 25 KB
+// stages. At bs=128 E=33 (H200, 2026-12-02) that stage 1 took 0.978 of the
+// call of the plain 64-token bf16 stage 1; with a 4-slot ring 0.997, and at
+// two CTAs per SM (3 slots, 79 registers) 1.042. (The bf16 form at two CTAs
+// per SM with two loading warps took 1.18x the plain kernel's stage 1,
+// 2026-12-01: the bf16 64-token wide stage 1 runs only as the folded one's
+// fallback.)
 template <int kTokens> struct WideTraits;
 // The wide tile's MMA, m64nNk16 for N = kTokens.
 template <int kTokens>
@@ -2251,8 +2259,12 @@ __device__ __forceinline__ void wgmma_wide(float (&d)[kTokens / 8][4], const uin
     if constexpr (kTokens == 144) wgmma_m64n144k16(d, a, b_descriptor, accumulate);
     else wgmma_m64n64k16(d, a, b_descriptor, accumulate);
 }
-template <> struct WideTraits<144> { static constexpr int kCtasPerSm = 1, kRing1 = 4, kProducerWarps1 = 4; };
-template <> struct WideTraits<64> { static constexpr int kCtasPerSm = 2; };
+template <> struct WideTraits<144> {
+    static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 4, kProducerWarps1 = 4;
+};
+template <> struct WideTraits<64> {
+    static constexpr int kCtasPerSm = 2, kCtasPerSm1 = 1, kRing1 = 6, kProducerWarps1 = 4;
+};
 // A wide tile's pipeline stage (both stages' wide kernels): 4 scale blocks
 // of K for kRows weight rows and kTokens tokens.
 template <int kTokens_>
@@ -2291,7 +2303,7 @@ struct WideStage1 : WideLayout<kTokens> {
     static constexpr int kSharedBytes = kRing * L::kStageBytes + kEpilogueBytes + 1024 - 16;
     // The folded path's token scales of kRing units, after the epilogue's h.
     static constexpr int kFoldedExtraBytes = kRing * kTokens * (int)sizeof(float);
-    static_assert(kSharedBytes + kFoldedExtraBytes <= 227 * 1024 / L::kCtasPerSm - 1024, "the CTAs per SM");
+    static_assert(kSharedBytes + kFoldedExtraBytes <= 227 * 1024 / L::kCtasPerSm1 - 1024, "the CTAs per SM");
 };
 
 // What both forms of a wide consumer stage (wide_compute_stage,
@@ -2402,7 +2414,6 @@ template <int kTokens, int kRing, typename SmemRow>
 __device__ __forceinline__ void wide_compute_stage_folded(
         float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full, uint64_t* empty, int s, bool first_of_tile,
         int first_row, int lane, SmemRow smem_row, uint32_t (&row_base)[2], uint32_t& out_of_window) {
-    static_assert(kTokens == 144, "the folded path has the 144-token MMA only");
     using W = WideLayout<kTokens>;
     uint32_t scales[2];
     const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, first_row, lane, scales);
@@ -2427,8 +2438,9 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         }
         wgmma_fence();
         // Block b's 32 bytes of each token: chunks 2b, 2b + 1 of the swizzled rows.
-        wgmma_m64n144k32_e4m3(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
-                              !first_of_tile || block > 0);
+        const uint32_t b = act_descriptor + W::act_offset(0, 2 * block) / 16, accumulate = !first_of_tile || block > 0;
+        if constexpr (kTokens == 144) wgmma_m64n144k32_e4m3(acc, a, b, accumulate);
+        else wgmma_m64n64k32_e4m3(acc, a, b, accumulate);
     });
 }
 
@@ -2736,7 +2748,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 // launched next (the same kernel without kFolded, over *redo_tiles tiles,
 // none otherwise) computes all of stage 1 again, exactly.
 template <int kTokens, bool kFolded>
-__global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage1_wide_kernel(
+__global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm1) stage1_wide_kernel(
         const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
         const float* __restrict__ token_scale,
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
@@ -2957,14 +2969,16 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     }
 }
 
-// Explicit instantiations, as for the GEMM configs: stage 2 of both widths,
-// stage 1 of 144 tokens, and both folded at 144.
-#define MOE_INSTANTIATE_WIDE_STAGE1(FOLDED)                                                                     \
-    template __global__ void stage1_wide_kernel<144, FOLDED>(const uint8_t*, const uint8_t*, const float*,       \
+// Explicit instantiations, as for the GEMM configs: both stages of both
+// widths, stage 1 folded at both and stage 2 folded at 144.
+#define MOE_INSTANTIATE_WIDE_STAGE1(N, FOLDED)                                                                  \
+    template __global__ void stage1_wide_kernel<N, FOLDED>(const uint8_t*, const uint8_t*, const float*,         \
         const int*, const int*, const int2*, const int*, int, int, int, int, int, int, int, uint8_t*, float2*,   \
         int, int*, const __grid_constant__ TensorMap);
-MOE_INSTANTIATE_WIDE_STAGE1(false)
-MOE_INSTANTIATE_WIDE_STAGE1(true)
+MOE_INSTANTIATE_WIDE_STAGE1(64, false)
+MOE_INSTANTIATE_WIDE_STAGE1(64, true)
+MOE_INSTANTIATE_WIDE_STAGE1(144, false)
+MOE_INSTANTIATE_WIDE_STAGE1(144, true)
 #undef MOE_INSTANTIATE_WIDE_STAGE1
 #define MOE_INSTANTIATE_WIDE_STAGE2(N, FOLDED)                                                                 \
     template __global__ void stage2_wide_kernel<N, FOLDED>(const uint8_t*, const int*, const float*, const int*, \
@@ -3481,14 +3495,16 @@ torch::Tensor moe_forward(
     int* bad_ids = sorted_tokens + 2 * num_pairs;
     int* redo_tiles = bad_ids + 1;   // the folded wide stage 1's fallback (launch_wide_stage1)
     int* stage2_redo = redo_tiles + 1;   // the folded wide stage 2's (launch_wide_stage2)
-    // 144-token wide tiles take folded E4M3 activations (the wide stage 1's
-    // e4m3 path) where one Qa CTA holds a token's whole row.
-    const bool folded = wide_tile_tokens == 144 && d_hidden_pad <= kPrepareColumns;
+    // Wide tiles take folded E4M3 activations (the wide stage 1's e4m3 path)
+    // where one Qa CTA holds a token's whole row; stage 2 folds its own at
+    // 144 tokens only (the 64-token wide stage 2 runs in bf16).
+    const bool folded = wide_tile_tokens > 0 && d_hidden_pad <= kPrepareColumns;
+    const bool folded_stage2 = folded && wide_tile_tokens == 144;
     const Activations act(m, d_hidden_pad, fp8, folded, hidden_states.options());
     const Activations inter(num_pairs, d_expert_pad, fp8, false, hidden_states.options());
-    const auto inter_folded = folded ? torch::empty({num_pairs, d_expert_pad}, int_opts.dtype(torch::kUInt8))
+    const auto inter_folded = folded_stage2 ? torch::empty({num_pairs, d_expert_pad}, int_opts.dtype(torch::kUInt8))
                                      : torch::Tensor();
-    const auto folded_weights = folded ? torch::empty({num_pairs}, float_opts) : torch::Tensor();
+    const auto folded_weights = folded_stage2 ? torch::empty({num_pairs}, float_opts) : torch::Tensor();
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
     // What the host expects of the routing, to size grids and K slices.
@@ -3514,14 +3530,15 @@ torch::Tensor moe_forward(
     const MoeCall call{stream, num_pairs, n_experts, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,
                        (int)stage1_splits, (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight,
                        down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator,
-                       bf16_ptr(hidden_states), m, folded ? stage2_redo : nullptr,
-                       folded ? inter_folded.data_ptr<uint8_t>() : nullptr,
-                       folded ? folded_weights.data_ptr<float>() : nullptr};
+                       bf16_ptr(hidden_states), m, folded_stage2 ? stage2_redo : nullptr,
+                       folded_stage2 ? inter_folded.data_ptr<uint8_t>() : nullptr,
+                       folded_stage2 ? folded_weights.data_ptr<float>() : nullptr};
     const TileTable narrow{tiles, num_tiles, max_tiles, tiles_estimate};
     const TileTable wide = wide_table ? TileTable{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate}
                                           : TileTable{tiles, num_tiles, max_tiles, wide_tiles_estimate};
-    // 64-token wide tiles are stage 2's only: stage 1 then runs the config's
-    // own 64-token kernel over the same tiles (see WideTraits).
+    // 64-token wide tiles: the folded wide stage 1 where Qa folds the
+    // activations, else the config's own 64-token kernel, over the same
+    // tiles (see WideTraits); stage 2 in the wide kernel, bf16.
 #define MOE_LAUNCH_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2)) launch_stage1<NT, MT, WT, SB, STAGES, WG, FP8>(call, narrow);
 #define MOE_LAUNCH_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
@@ -3530,7 +3547,8 @@ torch::Tensor moe_forward(
         launch_wide_stage1<144>(call, wide, folded, redo_tiles);
         launch_wide_stage2<144>(call, wide, folded);
     } else {
-        MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1)
+        if (wide_tile_tokens == 64 && folded) launch_wide_stage1<64>(call, wide, true, redo_tiles);
+        else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1) }
         if (wide_tile_tokens == 64) launch_wide_stage2<64>(call, wide, false);
         else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE2) }
     }
@@ -3667,9 +3685,10 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     win: each warp converts its weights once for all 64 tokens, and on sm_90
     warpgroup MMAs read the tokens from shared memory without ldmatrix. On
     sm_90 stage 2 runs in the warp-specialised wide kernel (loading warps,
-    two compute warpgroups, no CTA barrier per stage), and with more than 96
-    tokens per expert both stages do, over 144-token tiles, converting each
-    weight once for that many tokens."""
+    two compute warpgroups, no CTA barrier per stage), and so does stage 1
+    where Qa can fold the activations into E4M3 bytes (e4m3 MMAs; see
+    WideTraits); with more than 96 tokens per expert both stages run over
+    144-token tiles, converting each weight once for that many tokens."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
         return KernelConfig(8, 16, 8, 8, 4, True, True, 32) if wgmma else KernelConfig(8, 16, 8, 8, 4, False)

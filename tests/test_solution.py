@@ -149,11 +149,11 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     # convert; route+quantise for both activation formats and the folded one; the folded path's fallback
     # kernel and stage 2's fold of the intermediate rows; SwiGLU+Qa of split stage 1 for both formats at 1, 2
-    # and 4 rows per warp; the wide stage 2 of each wide tile width, and folded at 144; the 144-token wide
-    # stage 1, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that differ
-    # in wide tiles only)
+    # and 4 rows per warp; the wide stage 2 of each wide tile width, and folded at 144; the wide stage 1 of
+    # each width, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that
+    # differ in wide tiles only)
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
-    assert len(kernels) == (1 + 3 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2
+    assert len(kernels) == (1 + 3 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
                             + 2 * len(kernel_sets)), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
@@ -322,6 +322,7 @@ def test_every_config_takes_the_wide_path_in_stage1(config):
 
 
 WIDE_144 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144)
+WIDE_64 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 64)
 
 
 def with_first_block_scales_moved(data, rows, shift, index=3):
@@ -335,9 +336,10 @@ def with_first_block_scales_moved(data, rows, shift, index=3):
 
 
 @needs_cuda
+@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=["wide64", "wide144"])
 @pytest.mark.parametrize("shift", [-8, -4, 3, 8], ids=lambda n: f"shift{n}")
-def test_folded_wide_stage1_in_and_past_its_window(shift):
-    """The 144-token wide stage 1 folds each weight row's blocks against its
+def test_folded_wide_stage1_in_and_past_its_window(shift, config):
+    """The wide stage 1 (64 and 144 tokens) folds each weight row's blocks against its
     first block, exactly from -5 to 6 binades. Moving 40 rows' first blocks
     by -4 or 3 binades leaves their other blocks inside that window (their
     own exponents spread by about one binade); by -8 or 8 it puts them
@@ -347,7 +349,7 @@ def test_folded_wide_stage1_in_and_past_its_window(shift):
     rows = torch.randint(0, data[3].shape[0], (40,), generator=torch.Generator().manual_seed(42))
     data = with_first_block_scales_moved(data, rows, shift)
     module = solution._backend(torch.device("cuda"))[1]
-    run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
+    run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
 
 
 @needs_cuda
@@ -393,7 +395,8 @@ def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift):
 
 
 @needs_cuda
-def test_folded_wide_stage1_falls_back_for_tokens_qa_cannot_fold():
+@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=["wide64", "wide144"])
+def test_folded_wide_stage1_falls_back_for_tokens_qa_cannot_fold(config):
     """Tokens whose block exponents span more than E4M3's 15 binades (one
     block of 1e4, the rest of 1e-3) have no folded bytes: Qa marks their
     scale NaN and stage 1 runs again in bf16, exactly."""
@@ -404,7 +407,7 @@ def test_folded_wide_stage1_falls_back_for_tokens_qa_cannot_fold():
     hidden[17] *= 1e-3
     hidden[17, 1000:1032] = -1e4
     module = solution._backend(torch.device("cuda"))[1]
-    run_checked(with_replaced(data, 0, hidden), run=lambda d: solution._run_kernels(module, d, WIDE_144))
+    run_checked(with_replaced(data, 0, hidden), run=lambda d: solution._run_kernels(module, d, config))
 
 
 @needs_cuda
