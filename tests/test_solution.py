@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 import torch
@@ -158,6 +159,59 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
+
+
+# Declarations enough for nvcc's front end to parse what ATen/cuda/CUDAContext.h
+# includes, where a machine without a GPU lacks the CUDA libraries' headers or
+# torch's CUDA build header.
+HOST_HEADER_STUBS = {
+    "cublas_v2.h": "typedef void* cublasHandle_t;\ntypedef int cublasStatus_t;\n",
+    "cublas.h": "", "cublasLt.h": "typedef void* cublasLtHandle_t;\n",
+    "cusparse.h": "typedef void* cusparseHandle_t;\n",
+    "cusolverDn.h": "typedef int cusolverStatus_t;\ntypedef void* cusolverDnHandle_t;\n", "cusolver_common.h": "",
+    "c10/cuda/impl/cuda_cmake_macros.h": "",
+}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_launchers_parse_with_torch_headers(tmp_path):
+    """The whole extension source, kernels and host launchers, with this
+    machine's torch headers and load_inline's flags, through nvcc's host front
+    end (cudafe++; about 25 s, where a full build takes 5 minutes on two
+    cores): the device-only build above never sees the launchers. It cannot
+    stand in for the device's build: a launcher line that the H200's torch
+    2.11 headers rejected (`data_ptr<float>()` on a `const auto` tensor whose
+    type depended on a template parameter) passes here with torch 2.13's."""
+    from torch.utils import cpp_extension
+    nvcc_dir = os.path.dirname(os.path.realpath(shutil.which("nvcc")))
+    present = [os.path.join(nvcc_dir, "..", "include"), *cpp_extension.include_paths(),
+               os.path.join(nvcc_dir, "..", "targets", "x86_64-linux", "include")]
+    stubs = tmp_path / "stubs"
+    for name, text in HOST_HEADER_STUBS.items():
+        if not any(os.path.exists(os.path.join(d, name)) for d in present):
+            (stubs / name).parent.mkdir(parents=True, exist_ok=True)
+            (stubs / name).write_text("#pragma once\n" + text)
+    source = tmp_path / "moe.cu"
+    source.write_text(solution.KERNEL_SOURCE + solution.HOST_SOURCE)
+    command = ["nvcc", "--dryrun", "--keep", "--keep-dir", str(tmp_path), "-c", str(source),
+               "-o", str(tmp_path / "moe.o"),
+               "-gencode=arch=compute_90a,code=sm_90a", f"-I{stubs}", f"-I{sysconfig.get_paths()['include']}",
+               *[f"-I{d}" for d in cpp_extension.include_paths()], "-DTORCH_EXTENSION_NAME=moe_test",
+               *cpp_extension.COMMON_NVCC_FLAGS, *solution.NVCC_FLAGS]
+    # nvcc lists its variables, then its commands: preprocessing, cudafe++ (the host front end), then the
+    # device's preprocessing, cicc and ptxas (the device-only build above covers those) and the host compiler.
+    steps = []
+    for line in subprocess.run(command, capture_output=True, text=True).stderr.splitlines():
+        if line.startswith("#$ "):
+            name, value = re.fullmatch(r"(?:(\w+)=)?(.*)", line[3:]).groups()
+            steps.append(f"export {name}='{value.strip()}'" if name else value)
+    host_front_end = next((i for i, step in enumerate(steps) if step.startswith("cudafe++ ")), None)
+    assert host_front_end is not None, steps
+    script = tmp_path / "host_front_end.sh"
+    script.write_text("set -e\n" + "\n".join(steps[:host_front_end + 1]) + "\n")
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path)
+    errors = [line for line in run.stdout.splitlines() + run.stderr.splitlines() if "error" in line]
+    assert run.returncode == 0, "\n".join(errors[:20]) or run.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------
