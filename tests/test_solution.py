@@ -143,7 +143,9 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     """The device code alone (no torch headers) through nvcc: catches build
     breaks on a machine without a GPU, register spills in any kernel, and
     wgmmas that ptxas serialises (warning C7520: a kernel whose wgmmas sit in
-    a branch ptxas thinks divergent measured several % slower)."""
+    a branch ptxas thinks divergent measured several % slower), and a folded
+    wide stage 1 whose registers leave no room for the fallback kernel that
+    waits beside it."""
     returncode, report = kernel_resources.ptxas_report(str(tmp_path))
     print(report)
     assert returncode == 0, report
@@ -159,6 +161,20 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
+    # folded_fallback_kernel waits beside the folded wide stage 1 (one CTA per SM), so both must fit one
+    # SM's 65,536 registers (allocated per warp in steps of 8 a thread): stream-K took stage 1 to 168
+    # registers, the fallback then started only after stage 1, and d2048 ran 4% slower.
+    registers = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", report, re.S))
+    per_warp = {name: 32 * -(-int(count) // 8) * 8 for name, count in registers.items()}
+    fallback = next(warp for name, warp in per_warp.items() if "folded_fallback_kernel" in name)
+    consumer_warps = int(re.search(r"kConsumerWarps = (\d+)", solution.KERNEL_SOURCE).group(1))
+    producer_warps = dict(re.findall(r"struct WideTraits<(\d+)> \{[^}]*kProducerWarps1 = (\d+)",
+                                     solution.KERNEL_SOURCE))
+    fallback_warps = int(re.search(r"kFallbackThreads = (\d+)", solution.KERNEL_SOURCE).group(1)) // 32
+    for tokens in solution.WIDE_TILE_TOKENS:
+        stage1 = next(warp for name, warp in per_warp.items() if f"stage1_wide_kernelILi{tokens}ELb1E" in name)
+        used = stage1 * (consumer_warps + int(producer_warps[str(tokens)])) + fallback * fallback_warps
+        assert used <= 65536, (tokens, stage1 // 32, fallback // 32, used)
 
 
 # Declarations enough for nvcc's front end to parse what ATen/cuda/CUDAContext.h
