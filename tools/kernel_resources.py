@@ -36,20 +36,25 @@ void show() {
         printf(" %8.1f", S2::shared_bytes(k_blocks, kStage2EpilogueBytes<S2>, 1, kStage2Ring<S2>) / 1024.0);
     printf("\n");
 }
-// A wide kernel; each CTA's share of the SM is 227 KB over its CTAs per SM.
+// A wide kernel; each CTA's share of the SM is 227 KB over its CTAs per SM
+// (stage 1's kCtasPerSm1, stage 2's kCtasPerSm). Stage 1's total holds the
+// folded form's token scales too, its larger launch.
 template <typename W>
-void show_wide(int stage) {
-    printf("wide stage %d, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue)\n", stage,
-           W::kTokens, W::kCtasPerSm, W::kSharedBytes / 1024.0, W::kRing, W::kStageBytes / 1024.0,
+void show_wide(int stage, int ctas_per_sm, int folded_bytes) {
+    printf("wide stage %d, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue", stage,
+           W::kTokens, ctas_per_sm, (W::kSharedBytes + folded_bytes) / 1024.0, W::kRing, W::kStageBytes / 1024.0,
            W::kEpilogueBytes / 1024.0);
+    if (folded_bytes) printf(", %.1f KB token scales", folded_bytes / 1024.0);
+    printf(")\n");
 }
 int main() {
     printf("%-34s %8s %12s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048");
 #define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
     MOE_GEMM_CONFIGS(MOE_SHOW)
-    show_wide<WideStage2<64>>(2);   // 64-token tiles: stage 2 only
-    show_wide<WideStage1<144>>(1);
-    show_wide<WideStage2<144>>(2);
+    show_wide<WideStage1<64>>(1, WideStage1<64>::kCtasPerSm1, WideStage1<64>::kFoldedExtraBytes);
+    show_wide<WideStage2<64>>(2, WideStage2<64>::kCtasPerSm, 0);
+    show_wide<WideStage1<144>>(1, WideStage1<144>::kCtasPerSm1, WideStage1<144>::kFoldedExtraBytes);
+    show_wide<WideStage2<144>>(2, WideStage2<144>::kCtasPerSm, 0);
 }
 """
 
