@@ -164,8 +164,7 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     # folded_fallback_kernel waits beside the folded wide stage 1 (one CTA per SM), so both must fit one
     # SM's 65,536 registers (allocated per warp in steps of 8 a thread): stream-K took stage 1 to 168
     # registers, the fallback then started only after stage 1, and d2048 ran 4% slower.
-    registers = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", report, re.S))
-    per_warp = {name: 32 * -(-int(count) // 8) * 8 for name, count in registers.items()}
+    per_warp = {name: 32 * -(-count // 8) * 8 for name, count, _, _ in kernel_resources.ptxas_kernels(report)}
     fallback = next(warp for name, warp in per_warp.items() if "folded_fallback_kernel" in name)
     consumer_warps = int(re.search(r"kConsumerWarps = (\d+)", solution.KERNEL_SOURCE).group(1))
     producer_warps = dict(re.findall(r"struct WideTraits<(\d+)> \{[^}]*kProducerWarps1 = (\d+)",

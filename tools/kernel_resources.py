@@ -71,26 +71,34 @@ def ptxas_report(folder: str) -> tuple:
     return result.returncode, result.stdout + result.stderr
 
 
+def ptxas_kernels(report: str) -> list:
+    """(mangled name, registers, spill store bytes, spill load bytes) of each
+    kernel in ptxas's -v report, in its order."""
+    kernels, name, spills = [], None, ("?", "?")
+    for line in report.splitlines():
+        match = re.search(r"Compiling entry function '(\w+)'", line)
+        if match:
+            name = match.group(1)
+        match = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if match:
+            spills = match.groups()
+        match = re.search(r"Used (\d+) registers", line)
+        if match and name:
+            kernels.append((name, int(match.group(1)), *spills))
+            name = None
+    return kernels
+
+
 def registers(folder: str) -> int:
     returncode, report = ptxas_report(folder)
     if returncode:
         print(report)
         return 1
     print(f"{'kernel':<56} {'registers':>9} {'spill stores':>12} {'spill loads':>11}")
-    name = None
-    spills = ("?", "?")
-    for line in report.splitlines():
-        match = re.search(r"Compiling entry function '(\w+)'", line)
-        if match:
-            name = subprocess.run(["c++filt", match.group(1)], capture_output=True, text=True).stdout.strip()
-            name = re.sub(r"\(.*", "", re.sub(r"^void ", "", name)).replace("moe::", "")
-        match = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if match:
-            spills = match.groups()
-        match = re.search(r"Used (\d+) registers", line)
-        if match and name:
-            print(f"{name:<56} {match.group(1):>9} {spills[0]:>12} {spills[1]:>11}")
-            name = None
+    for mangled, count, stores, loads in ptxas_kernels(report):
+        name = subprocess.run(["c++filt", mangled], capture_output=True, text=True).stdout.strip()
+        name = re.sub(r"\(.*", "", re.sub(r"^void ", "", name)).replace("moe::", "")
+        print(f"{name:<56} {count:>9} {stores:>12} {loads:>11}")
     return 0
 
 
