@@ -42,16 +42,16 @@ E4M3, and the fp4 -> e4m3 conversion is cheaper than fp4 -> bf16): each
 exact up to summation order. (The e4m3 mma.sync runs on sm_90 as F2FP
 conversions plus fp16 HMMA; Hopper's fp8 tensor cores are reachable only
 through wgmma.) With wide tiles (64 or 144 tokens) and token rows of up to
-8,192 values, stage 1 runs e4m3 warpgroup MMAs on folded operands: Qa writes each
-token's values as E4M3 bytes against its row's largest block exponent, the
-weights fold against each row's first block, and each sum is scaled once by
-its row's and token's powers of two. That is exact wherever a row's blocks
+8,192 values, stage 1 runs e4m3 warpgroup MMAs on folded operands: Qa writes
+each token's values as E4M3 bytes against its row's largest block exponent,
+the weights fold against each row's first block, and each sum is scaled once
+by its row's and token's powers of two. That is exact wherever a row's blocks
 fit E4M3's window; where one does not, the bf16 kernel computes stage 1
-again. At 144 tokens stage 2 folds the same way, its intermediate rows folded by a pass
-of their own after stage 1; whether all of them and all down-weight rows
-fold is known before it starts (its adds are final), and if not the bf16
-kernel does all of stage 2. Only the e4m3 tensor cores' accumulation keeps fewer bits than fp32
-(about 1e-6 relative, tools/fp8_accumulation.py).
+again. At 144 tokens stage 2 folds the same way, its intermediate rows folded
+by a pass of their own after stage 1; whether all of them and all down-weight
+rows fold is known before it starts (its adds are final), and if not the bf16
+kernel does all of stage 2. Only the e4m3 tensor cores' accumulation keeps
+fewer bits than fp32 (about 1e-6 relative, tools/fp8_accumulation.py).
 
 On ROCm with AITER importable, AITER's fused_moe runs (as the official
 submission template does; our kernels have not been verified on AMD). Anywhere
@@ -571,9 +571,10 @@ class KernelConfig(NamedTuple):
 
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
 # 64 for experts of 29 to 96 tokens (stage 1 only in its folded e4m3 form, for
-# rows of up to 8,192 values; otherwise the config's own 64-token kernel);
-# 144 (one CTA per SM), both stages, beyond, where at 512 tokens and 32 routed experts an expert has 128 +- 11
-# tokens, which 144 cover in one tile for most experts.
+# rows of up to 8,192 values; otherwise the config's own 64-token kernel); 144
+# (one CTA per SM), both stages, beyond, where at 512 tokens and 32 routed
+# experts an expert has 128 +- 11 tokens, which 144 cover in one tile for most
+# experts.
 WIDE_TILE_TOKENS = (64, 144)
 
 
