@@ -128,6 +128,17 @@ VARIANTS = {
            "                else\n"
            "#pragma unroll\n"
            "                    for (int h = 0; h < 0; ++h)\n"))]),
+    "wide_no_copy_wait": (
+        "stage1_wide_kernel's loaders mark a stage full once the next stage's copies are issued, without "
+        "waiting for the stage's own copies to land, and its units never ask for the bf16 redo (the consumers "
+        "may read bytes not yet copied): what the loaders' wait for their copies costs",
+        [(("                    cp_async_wait<1>();\n"
+           "                    fence_async_shared();\n"
+           "                    mbarrier_arrive(&full[(s - 1) % kRing]);",
+           "                    fence_async_shared();\n"
+           "                    mbarrier_arrive(&full[(s - 1) % kRing]);"),),
+         (("            if (out_of_window) *redo_tiles = num_tiles;\n",
+           "\n"),)]),
     "no_qa": (
         "the first kernel's Qa CTAs return at once (stale activations, an accumulator not zeroed): "
         "its time is then the routing CTA's",
