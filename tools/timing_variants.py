@@ -141,8 +141,7 @@ VARIANTS = {
            "\n"),)]),
     "wide_weights_from_l2": (
         "stage1_wide_kernel's loaders read every stage's weights from its unit's first K blocks, so that after "
-        "a unit's first stage they come from L2, not HBM (H200 2026-12-02: stage 1 at bs=128 E=33 84.4 -> 84.9 us, "
-        "so the weight stream's HBM access pattern does not set the stage)",
+        "a unit's first stage they come from L2, not HBM: what the weight stream's HBM access pattern costs",
         [(("                                    (unit.first_block + block0) * 16,",
            "                                    unit.first_block * 16,"),)]),
     "no_qa": (
