@@ -2260,6 +2260,13 @@ __device__ __forceinline__ void wgmma_wide(float (&d)[kTokens / 8][4], const uin
     if constexpr (kTokens == 144) wgmma_m64n144k16(d, a, b_descriptor, accumulate);
     else wgmma_m64n64k16(d, a, b_descriptor, accumulate);
 }
+// The folded form's, m64nNk32 e4m3.
+template <int kTokens>
+__device__ __forceinline__ void wgmma_wide_e4m3(float (&d)[kTokens / 8][4], const uint32_t (&a)[4],
+                                                uint32_t b_descriptor, uint32_t accumulate) {
+    if constexpr (kTokens == 144) wgmma_m64n144k32_e4m3(d, a, b_descriptor, accumulate);
+    else wgmma_m64n64k32_e4m3(d, a, b_descriptor, accumulate);
+}
 template <> struct WideTraits<144> {
     static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 4, kProducerWarps1 = 4;
 };
@@ -2439,9 +2446,8 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         }
         wgmma_fence();
         // Block b's 32 bytes of each token: chunks 2b, 2b + 1 of the swizzled rows.
-        const uint32_t b = act_descriptor + W::act_offset(0, 2 * block) / 16, accumulate = !first_of_tile || block > 0;
-        if constexpr (kTokens == 144) wgmma_m64n144k32_e4m3(acc, a, b, accumulate);
-        else wgmma_m64n64k32_e4m3(acc, a, b, accumulate);
+        wgmma_wide_e4m3<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
+                                 !first_of_tile || block > 0);
     });
 }
 
