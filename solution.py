@@ -180,10 +180,15 @@ MOE_HD uint32_t weight_multiplier_low(uint32_t s) {
 MOE_HD uint32_t weight_multiplier_high(uint32_t s) {
     return s == 255u ? 0x7FC07FC0u : bf16x2_pow2((s > 128u ? s : 128u) - 1u);
 }
-// __byte_perm, also on the host (selector nibbles 0..7 only: no sign-replicate mode).
+// A byte permute (prmt), also on the host. The caller keeps bit 3 of each
+// of the selector's four low nibbles clear (prmt's sign-replicate mode);
+// __byte_perm would clear them itself, an instruction more for a selector
+// that is not a constant.
 MOE_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
 #ifdef __CUDA_ARCH__
-    return __byte_perm(x, y, selector);
+    uint32_t out;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(x), "r"(y), "r"(selector));
+    return out;
 #else
     const uint64_t bytes = (uint64_t)y << 32 | x;
     uint32_t out = 0;
@@ -284,17 +289,15 @@ MOE_HD void folded_e4m3_table(int d, uint32_t& lo, uint32_t& hi) {
 }
 // A word of eight fp4 codes (low nibble first) through that table: values
 // 0-3 as the bytes of .x, values 4-7 of .y. A byte permute picks the
-// magnitudes; the sign bits (bit 3 of each nibble) move to bit 7 of their
-// bytes through a second permute and a shift.
+// magnitudes; a second one gathers the signs (bit 3 of each nibble): code
+// 2i+1's is bit 7 of the word's byte i, code 2i's bit 7 of the word shifted
+// left by 4 (ALU operations are the folded wide kernels' busiest pipe: 7 a
+// word, the shifts left to the multiply pipe).
 MOE_HD uint2 fp4_word_to_folded_e4m3(uint32_t word, uint32_t lo, uint32_t hi) {
-    uint32_t out[2];
-    for (int half = 0; half < 2; ++half) {
-        const uint32_t codes = word >> (16 * half);
-        const uint32_t magnitudes = byte_perm(lo, hi, codes & 0x7777u);
-        const uint32_t spread = byte_perm(codes, 0u, 0x1100u);
-        out[half] = magnitudes | (spread & 0x80008000u) | (spread << 4 & 0x00800080u);
-    }
-    return make_uint2(out[0], out[1]);
+    const uint32_t magnitudes = word & 0x77777777u, shifted = word << 4;
+    const uint32_t x = byte_perm(lo, hi, magnitudes) | (byte_perm(word, shifted, 0x1504u) & 0x80808080u);
+    const uint32_t y = byte_perm(lo, hi, magnitudes >> 16) | (byte_perm(word, shifted, 0x3726u) & 0x80808080u);
+    return make_uint2(x, y);
 }
 
 // Qa's block exponent e for a block whose largest magnitude is amax (not
@@ -2314,35 +2317,56 @@ struct WideStage1 : WideLayout<kTokens> {
     static_assert(kSharedBytes + kFoldedExtraBytes <= 227 * 1024 / L::kCtasPerSm1 - 1024, "the CTAs per SM");
 };
 
+// A wide consumer lane's offsets into every stage, computed once per
+// kernel (ptxas recomputed them in each stage, about 15 instructions): the
+// weight words its ldmatrix reads for a stage's first pair of blocks (row
+// first_row + (lane & 15) of the warp's 16, at shared-memory row
+// smem_row(r); chunk lane >> 4), and the scale word of its row g.
+struct WideLaneOffsets {
+    uint32_t words, scales;
+};
+template <int kTokens, typename SmemRow>
+__device__ __forceinline__ WideLaneOffsets wide_lane_offsets(int first_row, int lane, SmemRow smem_row) {
+    using W = WideLayout<kTokens>;
+    WideLaneOffsets offsets{(uint32_t)(W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
+                                                                            lane >> 4)),
+                            (uint32_t)(W::kScaleOffset + (first_row + (lane >> 2)) * W::kStageBlocks)};
+    // Opaque from here on: otherwise the compiler moves the arithmetic back into each stage.
+    asm volatile("" : "+r"(offsets.words), "+r"(offsets.scales));
+    return offsets;
+}
+
 // What both forms of a wide consumer stage (wide_compute_stage,
 // wide_compute_stage_folded) share. wide_stage_slot waits for stage s's
 // slot, returns it, and gives the scale words of the warp's rows g and g+8
 // (four blocks' bytes each). wide_stage_blocks then walks the stage's
 // blocks in order: issue_block(block, words) converts the block's fp4 words
-// of rows g and g+8 (local rows first_row.., at shared-memory rows
-// smem_row(r)) and issues its MMAs, while the next pair of blocks' words
-// load ahead; after each block it commits, waits for the block before, and
-// at block 0 releases the previous stage's slot (those MMAs are complete).
+// of rows g and g+8 and issues its MMAs, while the next pair of blocks'
+// words load ahead; after each block it commits, waits for the block
+// before, and at block 0 releases the previous stage's slot (those MMAs are
+// complete).
 template <int kTokens, int kRing>
-__device__ __forceinline__ const uint8_t* wide_stage_slot(uint8_t* smem, uint64_t* full, int s, int first_row,
-                                                         int lane, uint32_t (&scales)[2]) {
+__device__ __forceinline__ const uint8_t* wide_stage_slot(uint8_t* smem, uint64_t* full, int s,
+                                                         const WideLaneOffsets& offsets, uint32_t (&scales)[2]) {
     using W = WideLayout<kTokens>;
     mbarrier_wait(&full[s % kRing], (s / kRing) & 1);
     const uint8_t* base = smem + s % kRing * W::kStageBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-        scales[h] = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset
-                                                       + (first_row + (lane >> 2) + 8 * h) * W::kStageBlocks);
+        scales[h] = *reinterpret_cast<const uint32_t*>(base + offsets.scales + 8 * h * W::kStageBlocks);
     return base;
 }
-template <int kTokens, int kRing, typename SmemRow, typename IssueBlock>
-__device__ __forceinline__ void wide_stage_blocks(const uint8_t* base, uint64_t* empty, int s, int first_row,
-                                                  int lane, SmemRow smem_row, IssueBlock issue_block) {
+template <int kTokens, int kRing, typename IssueBlock>
+__device__ __forceinline__ void wide_stage_blocks(const uint8_t* base, uint64_t* empty, int s,
+                                                  const WideLaneOffsets& offsets, IssueBlock issue_block) {
     using W = WideLayout<kTokens>;
     constexpr int SB = W::kStageBlocks;
+    // Blocks bp, bp + 1 (bp even): chunk bp ^ (the first pair's), as the
+    // swizzle XORs only a row's chunk bits (below 64 bytes, W::kWeightOffset
+    // a multiple of them).
+    static_assert(SB == 4 && W::kWeightOffset % 64 == 0, "a pair's chunks one XOR from the first pair's");
     auto load_words = [&](uint32_t (&words)[4], int bp) {
-        ldmatrix_x4(words, base + W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
-                                                                      bp + (lane >> 4)));
+        ldmatrix_x4(words, base + (offsets.words ^ (uint32_t)(bp << 4)));
     };
     uint32_t w[4];
     load_words(w, 0);
@@ -2371,13 +2395,13 @@ __device__ __forceinline__ void wide_stage_blocks(const uint8_t* base, uint64_t*
 // rows block by block and issue its warpgroup's bf16 MMAs over the tile's
 // tokens, adding into acc (first_of_tile: the first MMA starts it, scale-d
 // 0, so no accumulator is zeroed between row tiles).
-template <int kTokens, int kRing, typename SmemRow>
+template <int kTokens, int kRing>
 __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full,
                                                    uint64_t* empty, int s, bool first_of_tile, int first_row,
-                                                   int lane, SmemRow smem_row) {
+                                                   int lane, const WideLaneOffsets& offsets) {
     using W = WideLayout<kTokens>;
     uint32_t scales[2];
-    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, first_row, lane, scales);
+    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, offsets, scales);
     // The path, voted over the warpgroup's 64 rows (lane: rows 2 lane, 2 lane
     // + 1): a warpgroup's MMAs must be the same instructions in all four of
     // its warps, and a warp's own 16 rows gave warps of one warpgroup
@@ -2391,8 +2415,7 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4],
     // its own straight-line code (with the path a runtime value inside,
     // ptxas predicated both paths' conversions and issued both).
     auto compute = [&](const bool kWide) {
-        wide_stage_blocks<kTokens, kRing>(base, empty, s, first_row, lane, smem_row,
-                                          [&](int block, const uint32_t (&words)[2]) {
+        wide_stage_blocks<kTokens, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
             uint32_t a[2][4];
 #pragma unroll
             for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);
@@ -2409,38 +2432,49 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4],
         compute(false);
 }
 
+// A thread's two rows' fold in a wide kernel (rows g and g + 8 of its
+// warp): base, their scale bytes at the unit's first block; and, so that a
+// block's table and window test start from its scale byte s with no
+// subtraction, folded_e4m3_table(-base) and base + kFoldTableMinShift.
+struct FoldedRows {
+    uint32_t base[2], lo_at_zero[2], hi_at_zero[2], window_start[2];
+};
+
 // wide_compute_stage for folded activations (stage 1's from
 // quantize_hidden_row_folded, stage 2's from fold_inter_rows_kernel): each
-// block is one e4m3 k32 MMA, on weight bytes folded against row_base, the
-// warp's rows' scale bytes at the unit's first block (kept from stage 0): a
-// block of scale byte s gives v * 2^(s - base) (folded_e4m3_table, exact for
-// -5 <= s - base <= 6). Bit h of out_of_window is set when this thread's
-// codes of row g + 8h in a block outside that range are not all zero (their
-// bytes are then wrong; zero codes, as in K's zero-filled tail, fold to zero
-// at any shift).
-template <int kTokens, int kRing, typename SmemRow>
+// block is one e4m3 k32 MMA, on weight bytes folded against rows.base
+// (set from stage 0): a block of scale byte s gives v * 2^(s - base)
+// (folded_e4m3_table, exact for -5 <= s - base <= 6). Bit h of
+// out_of_window is set when this thread's codes of row g + 8h in a block
+// outside that range are not all zero (their bytes are then wrong; zero
+// codes, as in K's zero-filled tail, fold to zero at any shift).
+template <int kTokens, int kRing>
 __device__ __forceinline__ void wide_compute_stage_folded(
         float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full, uint64_t* empty, int s, bool first_of_tile,
-        int first_row, int lane, SmemRow smem_row, uint32_t (&row_base)[2], uint32_t& out_of_window) {
+        const WideLaneOffsets& offsets, FoldedRows& rows, uint32_t& out_of_window) {
     using W = WideLayout<kTokens>;
     uint32_t scales[2];
-    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, first_row, lane, scales);
+    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, offsets, scales);
     if (first_of_tile)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) row_base[h] = scales[h] & 0xFFu;
+        for (int h = 0; h < 2; ++h) {
+            rows.base[h] = scales[h] & 0xFFu;
+            folded_e4m3_table(-(int)rows.base[h], rows.lo_at_zero[h], rows.hi_at_zero[h]);
+            rows.window_start[h] = rows.base[h] + kFoldTableMinShift;
+        }
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
-    wide_stage_blocks<kTokens, kRing>(base, empty, s, first_row, lane, smem_row,
-                                      [&](int block, const uint32_t (&words)[2]) {
+    // The stage's tests as predicates (a bit mask took a select and an OR per test).
+    bool outside[2] = {false, false};
+    wide_stage_blocks<kTokens, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
         uint32_t a[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int d = (int)((scales[h] >> (8 * block)) & 0xFFu) - (int)row_base[h];
-            out_of_window |= (uint32_t)((uint32_t)(d - kFoldTableMinShift)
-                                        > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
-                                        && (words[h] & 0x77777777u) != 0u) << h;
-            uint32_t lo, hi;
-            folded_e4m3_table(d, lo, hi);
-            const uint2 bytes = fp4_word_to_folded_e4m3(words[h], lo, hi);
+            const uint32_t scale = byte_perm(scales[h], 0u, 0x4440u | block);
+            outside[h] |= scale - rows.window_start[h] > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
+                           && (words[h] & 0x77777777u) != 0u;
+            // folded_e4m3_table(scale - base): linear in its shift.
+            const uint2 bytes = fp4_word_to_folded_e4m3(words[h], rows.lo_at_zero[h] + scale * 0x08080800u,
+                                                        rows.hi_at_zero[h] + scale * 0x08080808u);
             a[h] = bytes.x;       // k 4t..4t+3 of row g + 8h
             a[2 + h] = bytes.y;   // k 16+4t..16+4t+3
         }
@@ -2449,6 +2483,7 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         wgmma_wide_e4m3<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
                                  !first_of_tile || block > 0);
     });
+    out_of_window |= (uint32_t)outside[0] | (uint32_t)outside[1] << 1;
 }
 
 // Four floats times 2^-base as E4M3 bytes (v[0] in the low byte), through
@@ -2683,6 +2718,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 
     // Warp w: rows 16w..16w+15 (warpgroup w/4: rows 64(w/4)..+63).
     const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
+    const WideLaneOffsets lane_offsets = wide_lane_offsets<kTokens>(first_row, lane, [](int r) { return r; });
     float acc[kTokens / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kTokens / 8; ++nt)
@@ -2700,12 +2736,13 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
         const int2 next_entry = entry_of(min(row_tile + 1, cta_tiles - 1));
         if constexpr (kFolded) {
-            uint32_t row_base[2] = {0u, 0u}, out_of_window = 0;   // all rows fold (folded_fallback_kernel)
+            FoldedRows rows{};
+            uint32_t out_of_window = 0;   // all rows fold (folded_fallback_kernel)
             for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
-                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row,
-                                                          lane, [](int r) { return r; }, row_base, out_of_window);
+                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0,
+                                                          lane_offsets, rows, out_of_window);
             wgmma_wait<0>();
-            const float row_scale[2] = {exact_pow2((int)row_base[0] - 127), exact_pow2((int)row_base[1] - 127)};
+            const float row_scale[2] = {exact_pow2((int)rows.base[0] - 127), exact_pow2((int)rows.base[1] - 127)};
 #pragma unroll
             for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
@@ -2713,7 +2750,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
         } else {
             for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
                 wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
-                                                   [](int r) { return r; });
+                                                   lane_offsets);
             wgmma_wait<0>();
         }
         // The row tile done: add it into the accumulator.
@@ -2903,6 +2940,10 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     // Warp w: local rows 16w..16w+15, the gate rows of intermediate columns
     // 8w..8w+7 (g) and their up rows (g+8).
     const int g = lane >> 2, t = lane & 3, first_row = warp * 16, local_col = warp * 8 + g;
+    // Local row r's gate or up row (the weight map's two boxes) in shared memory.
+    const WideLaneOffsets lane_offsets = wide_lane_offsets<kTokens>(first_row, lane, [](int r) {
+        return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
+    });
     float acc[kTokens / 8][4];   // each unit's first MMA overwrites it (scale-d 0); zeroed for ptxas
 #pragma unroll
     for (int nt = 0; nt < kTokens / 8; ++nt)
@@ -2911,24 +2952,24 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     for (int u = blockIdx.x, s = 0, n = 0; u < units; u += gridDim.x, ++n) {
         const Unit unit = unit_at(u);
         if constexpr (kFolded) {
-            auto smem_row = [](int r) { return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7); };
-            uint32_t row_base[2] = {0u, 0u}, out_of_window = 0;
+            FoldedRows rows{};
+            uint32_t out_of_window = 0;
             for (int stage = 0; stage < unit.n_stages; ++stage, ++s)
-                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane,
-                                                          smem_row, row_base, out_of_window);
+                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, lane_offsets, rows,
+                                                          out_of_window);
             wgmma_wait<0>();
             // The sums times their rows' and tokens' scales (NaN for a row
             // that met a block outside its fold, or a token Qa could not fold).
             // A quad's four threads hold K quarters of the same two rows. A
             // first scale byte of 255 (NaN) folds nothing: the bf16 kernel
             // gives those rows' NaN.
-            out_of_window |= (uint32_t)(row_base[0] == 255u) | (uint32_t)(row_base[1] == 255u) << 1;
+            out_of_window |= (uint32_t)(rows.base[0] == 255u) | (uint32_t)(rows.base[1] == 255u) << 1;
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 1);
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 2);
             if (out_of_window) *redo_tiles = num_tiles;
             const float nan = __int_as_float(0x7FC00000);
-            const float gate_scale = out_of_window & 1u ? nan : exact_pow2((int)row_base[0] - 127);
-            const float up_scale = out_of_window & 2u ? nan : exact_pow2((int)row_base[1] - 127);
+            const float gate_scale = out_of_window & 1u ? nan : exact_pow2((int)rows.base[0] - 127);
+            const float up_scale = out_of_window & 2u ? nan : exact_pow2((int)rows.base[1] - 127);
             const float* tokens = unit_token_scale + n % kRing * kTokens;
 #pragma unroll
             for (int nt = 0; nt < kTokens / 8; ++nt)
@@ -2940,9 +2981,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                 }
         } else {
             for (int stage = 0; stage < unit.n_stages; ++stage, ++s)
-                wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane, [](int r) {
-                    return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
-                });
+                wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane,
+                                                   lane_offsets);
             wgmma_wait<0>();
         }
         if (slices > 1) {
