@@ -291,8 +291,8 @@ MOE_HD void folded_e4m3_table(int d, uint32_t& lo, uint32_t& hi) {
 // 0-3 as the bytes of .x, values 4-7 of .y. A byte permute picks the
 // magnitudes; a second one gathers the signs (bit 3 of each nibble): code
 // 2i+1's is bit 7 of the word's byte i, code 2i's bit 7 of the word shifted
-// left by 4 (ALU operations are the folded wide kernels' busiest pipe: 7 a
-// word, the shifts left to the multiply pipe).
+// left by 4 (9 operations a word where the old spread-and-shift took 13:
+// the ALU pipe is the folded wide kernels' busiest).
 MOE_HD uint2 fp4_word_to_folded_e4m3(uint32_t word, uint32_t lo, uint32_t hi) {
     const uint32_t magnitudes = word & 0x77777777u, shifted = word << 4;
     const uint32_t x = byte_perm(lo, hi, magnitudes) | (byte_perm(word, shifted, 0x1504u) & 0x80808080u);
@@ -1120,11 +1120,16 @@ struct WeightBoxes {
     const TensorMap* map;
     int row, box_step, x0;
 };
+// The shared-memory row of local weight row r when a stage's weights are
+// two TMA boxes of kRows / 2 rows (stage 1's gate rows, then its up rows):
+// the local rows alternate 8 rows of box 0 and 8 of box 1.
+__device__ __forceinline__ int gate_up_box_row(int r) {
+    return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
+}
 // kWeightBoxes > 0 (warpgroup-MMA configs): thread 0 loads each stage's
 // weights with TMA, that many boxes (weights.map), instead of every thread's
-// copies; with 2 boxes the local rows alternate 8 rows of box 0 and 8 of box
-// 1 (stage 1's gate and up rows; weight_smem_row), while each box lands
-// whole. kActTma (bf16 stage 2, a tile's activations consecutive rows of
+// copies; with 2 boxes the local rows are gate_up_box_row's, while each box
+// lands whole. kActTma (bf16 stage 2, a tile's activations consecutive rows of
 // act): its activations too (act_map). Weight scales, and other
 // activations, stay cp.async.
 template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kActTma,
@@ -1308,7 +1313,7 @@ __device__ __forceinline__ bool gemm_mainloop(
     if (kPath == ScalePath::kNarrowChecked && tid == 0) saw_wide_scale = 0;   // before the first stage's barrier
     // The shared-memory row of local weight row r (two TMA boxes: see kWeightBoxes).
     auto weight_smem_row = [](int r) {
-        return kWeightBoxes == 2 ? ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7) : r;
+        return kWeightBoxes == 2 ? gate_up_box_row(r) : r;
     };
     uint32_t w[MT][4];   // per m-tile: word t of rows g and g+8 of the current block pair
     auto load_weight_words = [&](uint32_t (&words)[MT][4], const uint8_t* w_s, int bp) {
@@ -2778,9 +2783,9 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
 // next unit's stages while the consumers finish a unit's epilogue, and a
 // unit's start (tile lookup, copy addresses, the first copies' round trip)
 // is not on the consumers' path. Warps 8-11 load: the gate and up rows by
-// TMA (two boxes, their rows interleaved 8 by 8 as stage1_kernel's
-// weight_smem_row), the tile's tokens (rows of act through sorted_tokens)
-// and the weight scales by cp.async. A loading thread marks a stage full
+// TMA (two boxes, their rows interleaved 8 by 8: gate_up_box_row), the
+// tile's tokens (rows of act through sorted_tokens) and the weight scales
+// by cp.async. A loading thread marks a stage full
 // once its copies have landed and it has fenced them for the tensor cores'
 // reads (the async proxy), so it arrives a stage late, but marks a unit's
 // last stage before it looks up the next unit.
@@ -2940,10 +2945,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     // Warp w: local rows 16w..16w+15, the gate rows of intermediate columns
     // 8w..8w+7 (g) and their up rows (g+8).
     const int g = lane >> 2, t = lane & 3, first_row = warp * 16, local_col = warp * 8 + g;
-    // Local row r's gate or up row (the weight map's two boxes) in shared memory.
-    const WideLaneOffsets lane_offsets = wide_lane_offsets<kTokens>(first_row, lane, [](int r) {
-        return ((r >> 3) & 1) * (kRows / 2) + (r >> 4) * 8 + (r & 7);
-    });
+    // The weight map's two boxes: gate and up rows.
+    const WideLaneOffsets lane_offsets = wide_lane_offsets<kTokens>(first_row, lane, gate_up_box_row);
     float acc[kTokens / 8][4];   // each unit's first MMA overwrites it (scale-d 0); zeroed for ptxas
 #pragma unroll
     for (int nt = 0; nt < kTokens / 8; ++nt)
