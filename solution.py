@@ -237,6 +237,10 @@ constexpr uint32_t kFp8NarrowScale = 242;
 MOE_HD uint32_t e2m1_to_e4m3(uint32_t code) {
     return (code & 8u) << 4 | (code & 7u) << 2;
 }
+// e2m1_to_e4m3 of magnitudes 0-3 (lo) and 4-7 (hi) as byte tables for
+// fp4_word_to_folded_e4m3 (below): the unscaled bytes in the folded
+// fragments' order, for the narrow folded kernels' per-block pass.
+constexpr uint32_t kE4m3CodesLo = 0x0C080400u, kE4m3CodesHi = 0x1C181410u;
 // A word of eight fp4 codes (two per byte, low nibble first) as E4M3 bytes:
 // its even values (the low nibbles) and its odd values, in byte order.
 MOE_HD uint32_t fp4_even_to_e4m3(uint32_t word) {
@@ -751,7 +755,7 @@ __device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) {
 }
 constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;   // atom stride; 128-byte swizzle
 """ + "".join(_wgmma_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) \
-    + "".join(_wgmma_source(n, "e4m3") for n in WIDE_TILE_TOKENS) + r"""
+    + "".join(_wgmma_source(n, "e4m3") for n in (8, 16, 24, 32, *WIDE_TILE_TOKENS)) + r"""
 // d(64 x 8*N8) = a(64 x 32) . b(32 x 8*N8), e4m3 in, fp32 out; d's previous
 // contents are discarded (scale-d false): one scale block's fresh sum. a
 // from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows
@@ -803,6 +807,16 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a
 #else
     __trap();
 #endif
+}
+// The narrow folded pass's MMA (gemm_mainloop's ScalePath::kFolded):
+// m64nNk32 e4m3 for N = 8 * N8, adding into d.
+template <int N8>
+__device__ __forceinline__ void wgmma_e4m3_accumulate(float (&d)[N8][4], const uint32_t (&a)[4],
+                                                      uint32_t b_descriptor) {
+    if constexpr (N8 == 1) wgmma_m64n8k32_e4m3(d, a, b_descriptor, 1u);
+    else if constexpr (N8 == 2) wgmma_m64n16k32_e4m3(d, a, b_descriptor, 1u);
+    else if constexpr (N8 == 3) wgmma_m64n24k32_e4m3(d, a, b_descriptor, 1u);
+    else wgmma_m64n32k32_e4m3(d, a, b_descriptor, 1u);
 }
 // Keeps the compiler from moving a read of an asynchronous MMA's result
 // above the wgmma_wait that makes it valid (volatile asm stays in order).
@@ -1106,13 +1120,46 @@ struct GemmShape {
 // zero; the last tile's are left in acc. mma.sync configs only (kRowTiles).
 // kPath: how a stage picks the narrow or the wide weight-scale path (see
 // ScalePath); returns, for kNarrowChecked, whether any weight scale needed
-// the wide path (the accumulators are then wrong, and K must run again with
-// kWide), else false. kNarrowChecked and kWide: one row tile (row_tiles 1).
+// the wide path, and for kFolded, whether a weight row left its fold window
+// (the accumulators are then wrong, and K must run again with kWide), else
+// false. kNarrowChecked, kFolded and kWide: one row tile (row_tiles 1).
+// kFoldedBytes (e4m3 stage 1 on quantize_hidden_row_folded's bytes): the
+// activations are in folded_act_position's order, so kWide converts the
+// weights to that order too.
 enum class ScalePath {
     kVote,            // every stage votes (a CTA barrier's OR) and takes the path its scales need
     kNarrowChecked,   // every stage narrow, no vote; each thread checks the scales it loads
     kWide,            // every stage wide
+    kFolded,          // e4m3 on folded bytes: each block's MMA adds into acc, no per-block rescale
 };
+// A thread's two rows' fold (rows g and g + 8 of an m-tile of its warp;
+// gemm_mainloop's kFolded, the wide kernels' folded forms): base, their
+// scale bytes at the unit's first block; and, so that a block's table and
+// window test start from its scale byte s with no subtraction,
+// folded_e4m3_table(-base) and base + kFoldTableMinShift.
+struct FoldedRows {
+    uint32_t base[2], lo_at_zero[2], hi_at_zero[2], window_start[2];
+    __device__ __forceinline__ void set(uint32_t first_scales_g, uint32_t first_scales_g8) {
+        base[0] = first_scales_g & 0xFFu;
+        base[1] = first_scales_g8 & 0xFFu;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            folded_e4m3_table(-(int)base[h], lo_at_zero[h], hi_at_zero[h]);
+            window_start[h] = base[h] + (uint32_t)kFoldTableMinShift;   // mod 2^32, as the test below wants
+        }
+    }
+    // Row g + 8h's block of scale byte `scale` as folded E4M3 bytes (see
+    // fp4_word_to_folded_e4m3); outside is set when the block lies outside
+    // the fold's window and its codes are not all zero (zero codes, as in
+    // K's zero-filled tail, fold to zero at any shift).
+    __device__ __forceinline__ uint2 fold(int h, uint32_t word, uint32_t scale, bool& outside) const {
+        outside |= scale - window_start[h] > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
+                   && (word & 0x77777777u) != 0u;
+        // folded_e4m3_table(scale - base): linear in its shift.
+        return fp4_word_to_folded_e4m3(word, lo_at_zero[h] + scale * 0x08080800u, hi_at_zero[h] + scale * 0x08080808u);
+    }
+};
+
 // Where a CTA's weight rows lie in a TMA map (see tensor_map): box i of a
 // stage (kRows / boxes rows) from map row row + i * box_step, plus the row
 // tile's offset; x0 the byte of K at the CTA's first scale block.
@@ -1133,7 +1180,7 @@ __device__ __forceinline__ int gate_up_box_row(int r) {
 // act): its activations too (act_map). Weight scales, and other
 // activations, stay cp.async.
 template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kActTma,
-          typename WeightRowOf, typename ActRowOf, typename TileDone>
+          bool kFoldedBytes, typename WeightRowOf, typename ActRowOf, typename TileDone>
 __device__ __forceinline__ bool gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
@@ -1143,6 +1190,8 @@ __device__ __forceinline__ bool gemm_mainloop(
     constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
     constexpr uint32_t kNarrowLimit = S::kFp8 ? kFp8NarrowScale : 128u;   // scale bytes above it take kWide
+    static_assert(!(kFoldedBytes || kPath == ScalePath::kFolded) || (S::kFp8 && kFoldedBytes),
+                  "folded passes: e4m3 configs on folded bytes");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int first_row = S::first_row(warp), first_tile = S::first_token(warp) / 8;
     const int tile_stages = (k_blocks + SB - 1) / SB;
@@ -1274,7 +1323,7 @@ __device__ __forceinline__ bool gemm_mainloop(
                                 valid ? act_src_bytes[j] : 0);
                 }
         }
-        if (S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
+        if (kPath != ScalePath::kFolded && S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
             constexpr int kCopyBlocks = S::kActScaleCopyBlocks;
             const int valid_blocks = kTail ? min(kCopyBlocks, max(0, blocks - act_scale_block))
                                            : kCopyBlocks;
@@ -1308,9 +1357,11 @@ __device__ __forceinline__ bool gemm_mainloop(
     uint32_t scales[MT][2][SB / 4];
     // kNarrowChecked: set by any thread that loaded a scale byte above
     // kNarrowLimit (shared memory, not a register live across K: the
-    // 32-token stage 1 is at its register cap).
+    // 32-token stage 1 is at its register cap); kFolded: by any thread whose
+    // rows left their window.
     __shared__ int saw_wide_scale;
-    if (kPath == ScalePath::kNarrowChecked && tid == 0) saw_wide_scale = 0;   // before the first stage's barrier
+    constexpr bool kChecked = kPath == ScalePath::kNarrowChecked || kPath == ScalePath::kFolded;
+    if (kChecked && tid == 0) saw_wide_scale = 0;   // before the first stage's barrier
     // The shared-memory row of local weight row r (two TMA boxes: see kWeightBoxes).
     auto weight_smem_row = [](int r) {
         return kWeightBoxes == 2 ? gate_up_box_row(r) : r;
@@ -1475,11 +1526,21 @@ __device__ __forceinline__ bool gemm_mainloop(
                 uint32_t a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    // Rows g and g+8: even values of both, then odd values of both.
-                    a[mt][0] = fp4_even_to_e4m3(w[mt][2 * q]);
-                    a[mt][1] = fp4_even_to_e4m3(w[mt][2 * q + 1]);
-                    a[mt][2] = fp4_odd_to_e4m3(w[mt][2 * q]);
-                    a[mt][3] = fp4_odd_to_e4m3(w[mt][2 * q + 1]);
+                    if constexpr (kFoldedBytes) {
+                        // Rows g and g+8: values 0-3 of both, then values 4-7 of both.
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const uint2 bytes = fp4_word_to_folded_e4m3(w[mt][2 * q + h], kE4m3CodesLo, kE4m3CodesHi);
+                            a[mt][h] = bytes.x;
+                            a[mt][2 + h] = bytes.y;
+                        }
+                    } else {
+                        // Rows g and g+8: even values of both, then odd values of both.
+                        a[mt][0] = fp4_even_to_e4m3(w[mt][2 * q]);
+                        a[mt][1] = fp4_even_to_e4m3(w[mt][2 * q + 1]);
+                        a[mt][2] = fp4_odd_to_e4m3(w[mt][2 * q]);
+                        a[mt][3] = fp4_odd_to_e4m3(w[mt][2 * q + 1]);
+                    }
                 }
                 wgmma_fence();
 #pragma unroll
@@ -1501,10 +1562,59 @@ __device__ __forceinline__ bool gemm_mainloop(
         add_block(SB - 1, sums[1]);
     };
 
-    auto compute_stage = [&](int slot, bool wide) {
+    // kFolded: a stage's SB blocks as one e4m3 MMA each, adding into acc, on
+    // weight bytes folded against each of the thread's rows' first block of
+    // K (folded_rows, set at the first stage) and activation bytes folded
+    // against their token's base (quantize_hidden_row_folded). After K the
+    // sums are multiplied by 2^(base - 127) here and by the tokens' scales
+    // in stage1_kernel. Block b + 1 converts while block b's MMAs run.
+    FoldedRows folded_rows[MT];
+    bool outside_window = false;
+    // (Generic, as compute_blocks_fp8, so that only kFolded configs compile it.)
+    auto compute_blocks_folded = [&](auto first_stage, const uint8_t* w_s, const uint8_t* a_s) {
+        const uint32_t act_descriptor = wgmma_descriptor_low(a_s);
+        if (first_stage)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) folded_rows[mt].set(scales[mt][0][0], scales[mt][1][0]);
+#pragma unroll
+        for (int bp = 0; bp < SB; bp += 2) {
+            uint32_t next[MT][4];
+            if (bp + 2 < SB) load_weight_words(next, w_s, bp + 2);
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int block = bp + q;
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint32_t scale = byte_perm(scales[mt][h][block / 4], 0u, 0x4440u | (block % 4));
+                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], scale, outside_window);
+                        a[mt][h] = bytes.x;       // k 4t..4t+3 of row g + 8h
+                        a[mt][2 + h] = bytes.y;   // k 16+4t..16+4t+3
+                    }
+                wgmma_fence();
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    wgmma_e4m3_accumulate<WT>(acc[mt], a[mt], act_descriptor + S::act_offset(0, 2 * block) / 16);
+                wgmma_commit();
+                wgmma_wait<1>();   // the block before's A registers are free again
+            }
+            if (bp + 2 < SB)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) w[mt][i] = next[mt][i];
+        }
+        wgmma_wait<0>();   // the stage's slot is refilled once every thread has computed it
+    };
+
+    auto compute_stage = [&](int slot, bool wide, bool first_stage) {
         const uint8_t* w_s = stage_base(slot) + S::kWeightOffset;
         const uint8_t* a_s = stage_base(slot) + S::kActOffset;
-        if constexpr (S::kFp8) {
+        if constexpr (kPath == ScalePath::kFolded) {
+            compute_blocks_folded(first_stage, w_s, a_s);
+        } else if constexpr (S::kFp8) {
             const float* a_scale_s = reinterpret_cast<const float*>(stage_base(slot) + S::kActScaleOffset);
             if (wide)
                 compute_blocks_fp8(std::true_type(), w_s, a_s, a_scale_s);
@@ -1608,7 +1718,7 @@ __device__ __forceinline__ bool gemm_mainloop(
             if (next < n_stages) load_stage(next % kRing);
             cp_async_commit();
         }
-        compute_stage(s % kRing, wide);
+        compute_stage(s % kRing, wide, s == 0);
         if constexpr (kMbarriers) mbarrier_arrive(&empty[s % kRing]);   // compute_blocks_fp8 waited for its MMAs
         if constexpr (S::kRowTiles)
             if (++stage_in_tile == tile_stages && s + 1 < n_stages) {   // a row tile done, and more to come
@@ -1618,10 +1728,28 @@ __device__ __forceinline__ bool gemm_mainloop(
             }
     }
     if constexpr (S::kWgmma) wgmma_wait<0>();   // the accumulators, and shared memory for the epilogue
+    if constexpr (kPath == ScalePath::kFolded) {
+        // A first scale byte above kFp8NarrowScale has no exact 2^(base - 127)
+        // factor, and its window would reach 255 (NaN): K again per block.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) outside_window |= folded_rows[mt].base[h] > kFp8NarrowScale;
+        if (outside_window) saw_wide_scale = 1;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    pin_register(acc[mt][nt][i]);
+                    acc[mt][nt][i] *= exact_pow2((int)folded_rows[mt].base[i >> 1] - 127);   // one per row, after CSE
+                }
+    }
     cp_async_wait<0>();
     __syncthreads();
     // __any_sync: warp-uniform to ptxas (see the vote above).
-    return kPath == ScalePath::kNarrowChecked && __any_sync(0xFFFFFFFFu, saw_wide_scale != 0);
+    return kChecked && __any_sync(0xFFFFFFFFu, saw_wide_scale != 0);
 }
 
 // The tile this CTA works on: expert, first sorted row, rows in the tile.
@@ -1744,9 +1872,16 @@ __device__ __forceinline__ void quantize_hidden_columns(
 // NaN, which sends the call's stage 1 to the bf16 wide kernel (see
 // launch_wide_stage1), which reads bf16 rows that folded_fallback_kernel
 // writes only then.
+// block_scale (the e4m3 plain stage 1's folded form; null for the wide
+// one): each block's scale for stage1_kernel's per-block pass (kWide) over
+// the same bytes: 2^(b - 6), as that pass reads E2M1 codes as E4M3 bytes
+// of 2^-6 times their value. A token that does not fold (also: 2^(b - 6)
+// not a normal float) gets those codes instead, at folded_act_position,
+// with block scales 2^e.
 __device__ __forceinline__ void quantize_hidden_row_folded(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad, uint8_t* __restrict__ act,
-        float* __restrict__ token_scale, float* __restrict__ accumulator, int token) {
+        float* __restrict__ token_scale, float* __restrict__ block_scale, float* __restrict__ accumulator,
+        int token) {
     __shared__ int row_max;
     const int quad = threadIdx.x & 3, k = threadIdx.x * 8;
     const bool active = k < d_hidden_pad;   // whole quads: d_hidden_pad is a multiple of 32
@@ -1759,15 +1894,22 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
     if (active && quad == 0 && amax > 0.0f) atomicMax(&row_max, e);
     __syncthreads();
     const int base = row_max - kFoldMaxShift, d = e - base;
-    const bool unfoldable = __syncthreads_or(active && amax > 0.0f && d < kFoldMinShift);
+    const bool unfoldable = __syncthreads_or(
+        active && amax > 0.0f && (d < kFoldMinShift || (block_scale != nullptr && base - 6 < -126)));
     if (threadIdx.x == 0) token_scale[token] = unfoldable ? __int_as_float(0x7FC00000) : exact_pow2(base);
     if (!active) return;
+    const bool codes = block_scale != nullptr && unfoldable;
+    if (block_scale != nullptr && quad == 0)
+        block_scale[(size_t)token * (d_hidden_pad / kScaleBlock) + k / kScaleBlock] =
+            exact_pow2(codes ? e : base - 6);
     // Values 8q..8q+3 of the block go to k 4q..4q+3, values 8q+4.. to k 16+4q..: one 4-byte store each.
     uint32_t low = 0, high = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        low |= (has_nan ? kE4m3Nan : e2m1_to_e4m3_shifted(qa_code(v[i], e), d)) << (8 * i);
-        high |= (has_nan ? kE4m3Nan : e2m1_to_e4m3_shifted(qa_code(v[4 + i], e), d)) << (8 * i);
+        const uint32_t code_low = qa_code(v[i], e), code_high = qa_code(v[4 + i], e);
+        low |= (has_nan ? kE4m3Nan : codes ? e2m1_to_e4m3(code_low) : e2m1_to_e4m3_shifted(code_low, d)) << (8 * i);
+        high |= (has_nan ? kE4m3Nan : codes ? e2m1_to_e4m3(code_high) : e2m1_to_e4m3_shifted(code_high, d))
+              << (8 * i);
     }
     uint8_t* block = act + (size_t)token * d_hidden_pad + (k - quad * 8);
     *reinterpret_cast<uint32_t*>(block + 4 * quad) = low;
@@ -1781,10 +1923,11 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
 // first, so that it starts in the first wave); meanwhile CTA (1 + token, y)
 // runs Qa of columns [8192y, 8192y+8192) of one token
 // (quantize_hidden_columns), so that routing costs no launch of its own and
-// little time. kFolded: Qa for the wide stage 1's e4m3 path instead, a CTA
-// per token (quantize_hidden_row_folded; act_scale is then the tokens'
-// scales), and redo_tiles[0] (stage 1's redo tile count) and redo_tiles[1]
-// (stage 2's redo flag) start at zero.
+// little time. kFolded: Qa for the folded e4m3 stage 1s instead, a CTA per
+// token (quantize_hidden_row_folded; act_scale is then the tokens' scales;
+// block_scale, for the plain e4m3 stage 1's folded form, its block scales,
+// else null), and redo_tiles[0] (stage 1's redo tile count)
+// and redo_tiles[1] (stage 2's redo flag) start at zero.
 constexpr int kPrepareThreads = 1024;
 constexpr int kPrepareColumns = kPrepareThreads * 8;
 template <bool kFp8, bool kFolded>
@@ -1795,8 +1938,8 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         int* __restrict__ bad_ids, int wide_tile_tokens, int2* __restrict__ wide_tiles,
         int* __restrict__ num_wide_tiles,
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
-        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ accumulator,
-        int* __restrict__ redo_tiles) {
+        uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ block_scale,
+        float* __restrict__ accumulator, int* __restrict__ redo_tiles) {
     let_next_kernel_launch();   // a call's first kernel: launched normally, after whatever came before
     if constexpr (kFolded)   // stage 1's redo tile count, and stage 2's redo flag after it
         if (blockIdx.x == 0 && threadIdx.x == 0) redo_tiles[0] = redo_tiles[1] = 0;
@@ -1808,7 +1951,8 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         return;
     }
     if constexpr (kFolded)
-        quantize_hidden_row_folded(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1);
+        quantize_hidden_row_folded(hidden, d_hidden, d_hidden_pad, act, act_scale, block_scale, accumulator,
+                                   blockIdx.x - 1);
     else
         quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,
                                       blockIdx.y * kPrepareColumns + threadIdx.x * 8);
@@ -1901,11 +2045,13 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
 // accumulators hold a gate value and its up value. With one slice the CTA
 // finishes the columns (SwiGLU, Qa into inter); with several it stores its
 // fp32 (gate, up) pairs to partial[z][row][col] for swiglu_quantize_kernel.
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
+// kFolded (e4m3 configs): act holds quantize_hidden_row_folded's bytes, with
+// token_scale its tokens' scales and act_scale its block scales.
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, bool kFolded>
 __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
                                   GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage1MinBlocks) stage1_kernel(
         const uint8_t* __restrict__ gate_up_weight, const uint8_t* __restrict__ gate_up_scale,
-        const uint8_t* __restrict__ act, const float* __restrict__ act_scale,
+        const uint8_t* __restrict__ act, const float* __restrict__ act_scale, const float* __restrict__ token_scale,
         const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
         const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
@@ -1935,13 +2081,22 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         return ((r >> 3) & 1) * d_expert_pad + col0 + (r >> 4) * 8 + (r & 7);
     };
     auto token_of = [&](int i) { return i < tile.rows ? sorted_tokens[tile.row_start + i] : -1; };
+    // kFolded: the tile's token scales, read by the epilogue (the mainloop's
+    // barriers order these stores before it).
+    __shared__ float tile_token_scale[kFolded ? S::kTokens : 1];
+    if constexpr (kFolded)
+        if (tid < S::kTokens) {
+            const int token = token_of(tid);
+            tile_token_scale[tid] = token >= 0 ? token_scale[token] : 0.0f;
+        }
 
     // e4m3: K on the narrow path, checking the scales on the way instead of
     // voting per stage; in the rare CTA whose scales need the wide path, K
     // again (0.5-1.8% faster per call on the e4m3 shapes). bf16 keeps the
     // per-stage vote: the same change measured 2.3-2.6% slower at bs=512
     // E=33 (H200, 2026-12-01), with no instruction of it on that kernel's
-    // hot path.
+    // hot path. kFolded: K on folded bytes, and again per block (kWide)
+    // where a row left its window or Qa could not fold a token (NaN scale).
     float acc[MT][WT][4];
     auto mainloop = [&](auto path) {
         // The TMA boxes (kStage1WeightBoxes): the gate rows of the CTA's
@@ -1949,14 +2104,25 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const WeightBoxes boxes = {&weight_map, (int)(tile.expert * expert_rows) + col0, d_expert_pad,
                                    first_block * 16};
         return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kStage1WeightBoxes,
-                             false>(
+                             false, kFolded>(
             acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
             act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0,
             [](float (&)[MT][WT][4], int) {});
     };
-    constexpr ScalePath kFirstPass = S::kFp8 ? ScalePath::kNarrowChecked : ScalePath::kVote;
-    if (mainloop(std::integral_constant<ScalePath, kFirstPass>()))
+    constexpr ScalePath kFirstPass = kFolded ? ScalePath::kFolded
+                                   : S::kFp8 ? ScalePath::kNarrowChecked : ScalePath::kVote;
+    if (mainloop(std::integral_constant<ScalePath, kFirstPass>())
+        || (kFolded && __syncthreads_or(tid < tile.rows && isnan(tile_token_scale[tid % S::kTokens])))) {
         mainloop(std::integral_constant<ScalePath, ScalePath::kWide>());
+    } else if constexpr (kFolded) {
+        const float* tokens = tile_token_scale + S::first_token(warp) + 2 * (lane & 3);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mt][nt][i] *= tokens[nt * 8 + (i & 1)];
+    }
 
     // Accumulators 0, 1: row g (gate), tokens 2t, 2t+1; 2, 3: row g+8 (up).
     const int g = lane >> 2, t = lane & 3;
@@ -2163,7 +2329,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
 
     float acc[MT][WT][4];
     const WeightBoxes boxes = {&weight_map, tile.expert * d_hidden_pad + row0, 0, 0};
-    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kStage2WeightBoxes, S::kStage2ActTma>(
+    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kStage2WeightBoxes, S::kStage2ActTma, false>(
         acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, boxes, &inter_map, d_expert_pad,
         k_blocks, cta_tiles, kRows, add_tile);
     add_tile(acc, cta_tiles - 1);
@@ -2200,19 +2366,29 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 
 // Explicit instantiations, so that a plain nvcc compile of this source (the
 // CI build check) produces and reports every kernel.
+// The e4m3 configs' stage 1 also on folded bytes (MOE_INSTANTIATE_FOLDED_true).
+#define MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, FOLDED)                                     \
+    template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, FOLDED>(const uint8_t*,        \
+        const uint8_t*, const uint8_t*, const float*, const float*, const int*, const int*, const int2*,   \
+        const int*, int, int, int, int, int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);
+#define MOE_INSTANTIATE_FOLDED_true(NT, MT, WT, SB, STAGES, WG) \
+    MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, true, true)
+#define MOE_INSTANTIATE_FOLDED_false(NT, MT, WT, SB, STAGES, WG)
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
-    template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
-        const uint8_t*, const float*, const int*, const int*, const int2*, const int*, int, int, int, int, \
-        int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);                          \
+    MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, false)                                         \
+    MOE_INSTANTIATE_FOLDED_##FP8(NT, MT, WT, SB, STAGES, WG)                                               \
     template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
         int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 #undef MOE_INSTANTIATE
+#undef MOE_INSTANTIATE_FOLDED_true
+#undef MOE_INSTANTIATE_FOLDED_false
+#undef MOE_INSTANTIATE_STAGE1
 #define MOE_INSTANTIATE_ROUTE(FP8, FOLDED)                                                                 \
     template __global__ void route_and_quantize_kernel<FP8, FOLDED>(const int*, const float*, int, int, int, \
         int, int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int,        \
-        uint8_t*, float*, float*, int*);
+        uint8_t*, float*, float*, float*, int*);
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
     MOE_INSTANTIATE_ROUTE(FP8, false)                                                                      \
     MOE_INSTANTIATE_SWIGLU(FP8, 1)                                                                         \
@@ -2437,14 +2613,6 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4],
         compute(false);
 }
 
-// A thread's two rows' fold in a wide kernel (rows g and g + 8 of its
-// warp): base, their scale bytes at the unit's first block; and, so that a
-// block's table and window test start from its scale byte s with no
-// subtraction, folded_e4m3_table(-base) and base + kFoldTableMinShift.
-struct FoldedRows {
-    uint32_t base[2], lo_at_zero[2], hi_at_zero[2], window_start[2];
-};
-
 // wide_compute_stage for folded activations (stage 1's from
 // quantize_hidden_row_folded, stage 2's from fold_inter_rows_kernel): each
 // block is one e4m3 k32 MMA, on weight bytes folded against rows.base
@@ -2460,13 +2628,7 @@ __device__ __forceinline__ void wide_compute_stage_folded(
     using W = WideLayout<kTokens>;
     uint32_t scales[2];
     const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, offsets, scales);
-    if (first_of_tile)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            rows.base[h] = scales[h] & 0xFFu;
-            folded_e4m3_table(-(int)rows.base[h], rows.lo_at_zero[h], rows.hi_at_zero[h]);
-            rows.window_start[h] = rows.base[h] + kFoldTableMinShift;
-        }
+    if (first_of_tile) rows.set(scales[0], scales[1]);
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
     // The stage's tests as predicates (a bit mask took a select and an OR per test).
     bool outside[2] = {false, false};
@@ -2474,12 +2636,7 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         uint32_t a[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint32_t scale = byte_perm(scales[h], 0u, 0x4440u | block);
-            outside[h] |= scale - rows.window_start[h] > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
-                           && (words[h] & 0x77777777u) != 0u;
-            // folded_e4m3_table(scale - base): linear in its shift.
-            const uint2 bytes = fp4_word_to_folded_e4m3(words[h], rows.lo_at_zero[h] + scale * 0x08080800u,
-                                                        rows.hi_at_zero[h] + scale * 0x08080808u);
+            const uint2 bytes = rows.fold(h, words[h], byte_perm(scales[h], 0u, 0x4440u | block), outside[h]);
             a[h] = bytes.x;       // k 4t..4t+3 of row g + 8h
             a[2 + h] = bytes.y;   // k 16+4t..16+4t+3
         }
@@ -3168,16 +3325,17 @@ __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
 // a scale per row, and room for the rows as bf16 values, which its redo
 // reads (folded_fallback_kernel).
 struct Activations {
-    torch::Tensor values, scale, fallback;
+    torch::Tensor values, scale, token_scale, fallback;
     Activations(int rows, int k_padded, bool fp8, bool folded, const torch::TensorOptions& options)
         : values(torch::empty({rows, k_padded * (fp8 || folded ? 1 : 2)}, options.dtype(torch::kUInt8))),
-          scale(fp8 || folded ? torch::empty({rows, folded ? 1 : k_padded / kScaleBlock},
-                                             options.dtype(torch::kFloat32))
-                              : torch::Tensor()),
-          fallback(folded ? torch::empty({rows, k_padded * 2}, options.dtype(torch::kUInt8)) : torch::Tensor()) {}
+          scale(fp8 ? torch::empty({rows, k_padded / kScaleBlock}, options.dtype(torch::kFloat32)) : torch::Tensor()),
+          token_scale(folded ? torch::empty({rows}, options.dtype(torch::kFloat32)) : torch::Tensor()),
+          fallback(folded && !fp8 ? torch::empty({rows, k_padded * 2}, options.dtype(torch::kUInt8))
+                                  : torch::Tensor()) {}
     uint8_t* bytes() const { return values.data_ptr<uint8_t>(); }
     uint8_t* fallback_bytes() const { return fallback.data_ptr<uint8_t>(); }
     float* scales() const { return scale.defined() ? scale.data_ptr<float>() : nullptr; }
+    float* token_scales() const { return token_scale.defined() ? token_scale.data_ptr<float>() : nullptr; }
 };
 
 // The GEMM tiles a call will have, estimated as pairs / tile_tokens plus
@@ -3336,7 +3494,10 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
-    const auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
+    // e4m3 with folded activations (c.act has token scales): the folded form.
+    auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false>;
+    if constexpr (FP8)
+        if (c.act.token_scale.defined()) stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true>;
     auto shared_bytes = [](int k_blocks) {
         return S::shared_bytes(k_blocks, S::kTokens * kStage1HStride * (int)sizeof(float), 1, S::kStages);
     };
@@ -3352,7 +3513,7 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), slices.count()),
         S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
-        c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad, c.d_expert,
+        c.act.token_scales(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad, c.d_expert,
         c.d_expert_pad, slices.blocks, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
         S::kStage1WeightBoxes > 0 ? gate_up_map(c, SB) : TensorMap{});
     launch_swiglu_quantize<FP8>(c, slices);
@@ -3416,7 +3577,7 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     if (folded) {
         TORCH_CHECK(ctas_per_sm(stage1_folded, W::kThreads, kFoldedSharedBytes) * sm_count() == slots,
                     "moe_mxfp4: the folded wide stage 1 must fit the bf16 one's CTAs");
-        launch(stage1_folded, kFoldedSharedBytes, c.act.bytes(), c.act.scales(), t.count);
+        launch(stage1_folded, kFoldedSharedBytes, c.act.bytes(), c.act.token_scales(), t.count);
         // One CTA per SM: each fits beside an e4m3 CTA, to wait there for the flag.
         launch_after_previous(folded_fallback_kernel, dim3(sm_count()), kFallbackThreads, 0, c.stream,
                               c.hidden, c.tokens, c.d_hidden, c.d_hidden_pad, redo_tiles, c.act.fallback_bytes(),
@@ -3545,10 +3706,11 @@ torch::Tensor moe_forward(
     int* bad_ids = sorted_tokens + 2 * num_pairs;
     int* redo_tiles = bad_ids + 1;   // the folded wide stage 1's fallback (launch_wide_stage1)
     int* stage2_redo = redo_tiles + 1;   // the folded wide stage 2's (launch_wide_stage2)
-    // Wide tiles take folded E4M3 activations (the wide stage 1's e4m3 path)
-    // where one Qa CTA holds a token's whole row; stage 2 folds its own at
-    // 144 tokens only (the 64-token wide stage 2 runs in bf16).
-    const bool folded = wide_tile_tokens > 0 && d_hidden_pad <= kPrepareColumns;
+    // Wide tiles, and the e4m3 configs' plain tiles, take folded E4M3
+    // activations (both stage 1s' folded forms) where one Qa CTA holds a
+    // token's whole row; stage 2 folds its own at 144 tokens only (the
+    // 64-token wide stage 2 runs in bf16, the plain ones on Qa's codes).
+    const bool folded = (wide_tile_tokens > 0 || fp8) && d_hidden_pad <= kPrepareColumns;
     const bool folded_stage2 = folded && wide_tile_tokens == 144;
     const Activations act(m, d_hidden_pad, fp8, folded, hidden_states.options());
     const Activations inter(num_pairs, d_expert_pad, fp8, false, hidden_states.options());
@@ -3573,7 +3735,8 @@ torch::Tensor moe_forward(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
         expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
         wide_table ? (int)wide_tile_tokens : 0, wide_tiles, num_wide_tiles,
-        bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), act.scales(), accumulator.data_ptr<float>(),
+        bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), folded ? act.token_scales() : act.scales(),
+        folded && fp8 ? act.scales() : nullptr, accumulator.data_ptr<float>(),
         redo_tiles);
     MOE_CUDA_CHECK(cudaGetLastError());
 

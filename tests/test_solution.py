@@ -154,10 +154,10 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     # kernel and stage 2's fold of the intermediate rows; SwiGLU+Qa of split stage 1 for both formats at 1, 2
     # and 4 rows per warp; the wide stage 2 of each wide tile width, and folded at 144; the wide stage 1 of
     # each width, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that
-    # differ in wide tiles only)
+    # differ in wide tiles only), and the e4m3 configs' stage 1 also folded
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
     assert len(kernels) == (1 + 3 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
-                            + 2 * len(kernel_sets)), kernels
+                            + 2 * len(kernel_sets) + sum(config.fp8 for config in kernel_sets)), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
@@ -392,6 +392,13 @@ def test_every_config_takes_the_wide_path_in_stage1(config):
 
 WIDE_144 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144)
 WIDE_64 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 64)
+# Every config whose stage 1 has a folded e4m3 form: the wide ones and the
+# plain e4m3 ones.
+FOLDED_STAGE1 = [WIDE_64, WIDE_144, *(c for c in solution.GEMM_CONFIGS if c.fp8)]
+
+
+def config_id(config):
+    return {WIDE_64: "wide64", WIDE_144: "wide144"}.get(config, str(config).replace("/", "-"))
 
 
 def with_first_block_scales_moved(data, rows, shift, index=3):
@@ -405,15 +412,17 @@ def with_first_block_scales_moved(data, rows, shift, index=3):
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=["wide64", "wide144"])
+@pytest.mark.parametrize("config", FOLDED_STAGE1, ids=config_id)
 @pytest.mark.parametrize("shift", [-8, -4, 3, 8], ids=lambda n: f"shift{n}")
-def test_folded_wide_stage1_in_and_past_its_window(shift, config):
-    """The wide stage 1 (64 and 144 tokens) folds each weight row's blocks against its
-    first block, exactly from -5 to 6 binades. Moving 40 rows' first blocks
-    by -4 or 3 binades leaves their other blocks inside that window (their
-    own exponents spread by about one binade); by -8 or 8 it puts them
-    outside, where the unit sets redo_tiles and the bf16 kernel computes
-    stage 1 again. Without that fallback the moved rows' outputs are NaN."""
+def test_folded_stage1_in_and_past_its_window(shift, config):
+    """The folded stage 1s (wide at 64 and 144 tokens, plain e4m3) fold
+    each weight row's blocks against its first block of the K slice,
+    exactly from -5 to 6 binades. Moving 40 rows' first blocks by -4 or 3
+    binades leaves their other blocks inside that window (their own
+    exponents spread by about one binade); by -8 or 8 it puts them outside,
+    where the wide unit sets redo_tiles and the bf16 kernel computes stage
+    1 again, and the plain CTA runs its K again per block. Without that
+    fallback the moved rows' outputs are NaN or wrong."""
     data = reference.generate_input(1024, 512, 16, 4, 1, 64, 41)
     rows = torch.randint(0, data[3].shape[0], (40,), generator=torch.Generator().manual_seed(42))
     data = with_first_block_scales_moved(data, rows, shift)
@@ -464,11 +473,12 @@ def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift):
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=["wide64", "wide144"])
-def test_folded_wide_stage1_falls_back_for_tokens_qa_cannot_fold(config):
+@pytest.mark.parametrize("config", FOLDED_STAGE1, ids=config_id)
+def test_folded_stage1_falls_back_for_tokens_qa_cannot_fold(config):
     """Tokens whose block exponents span more than E4M3's 15 binades (one
     block of 1e4, the rest of 1e-3) have no folded bytes: Qa marks their
-    scale NaN and stage 1 runs again in bf16, exactly."""
+    scale NaN and stage 1 runs again, exactly: in bf16 (wide), or per
+    block on the E2M1 codes Qa stores for those tokens instead (plain)."""
     data = reference.generate_input(1024, 512, 16, 4, 1, 64, 43)
     hidden = data[0].clone()
     hidden[5] *= 1e-3
@@ -477,6 +487,23 @@ def test_folded_wide_stage1_falls_back_for_tokens_qa_cannot_fold(config):
     hidden[17, 1000:1032] = -1e4
     module = solution._backend(torch.device("cuda"))[1]
     run_checked(with_replaced(data, 0, hidden), run=lambda d: solution._run_kernels(module, d, config))
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", FOLDED_STAGE1, ids=config_id)
+def test_folded_stage1_on_hidden_states_near_the_bottom_of_fp32(config):
+    """Hidden states 2^-116 times their usual size, and the gate/up weight
+    scales 2^116 times theirs, so that the products keep their size: the
+    plain e4m3 form's block scales 2^(b - 6) would not be normal floats, so
+    Qa keeps those tokens' E2M1 codes and stage 1 runs per block; the wide
+    form folds them (token scales near 2^-122)."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 47)
+    scales = data[3].view(torch.uint8).to(torch.int32) + 116
+    assert int(scales.max()) <= 242   # below the per-block pass's exponent split
+    data = with_replaced(data, 0, data[0] * 2.0 ** -116)
+    data = with_replaced(data, 3, scales.to(torch.uint8).view(data[3].dtype))
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
 
 
 @needs_cuda

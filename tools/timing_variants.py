@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 # The e4m3 variants' m64n64k32 warpgroup MMA: solution.py builds it for the
-# folded wide stage 1 of both widths (the third form, left as it is); an older
+# folded wide stage 1 of both widths and the narrow folded pass (the fourth form, left as it is); an older
 # solution.py built the 144-token one only, and this edit of its Python has it
 # build both, as one expression that no longer holds the edit's old text (so
 # that two e4m3 variants combine: the second finds the second form and leaves it).
@@ -31,7 +31,9 @@ _E4M3_64_WRAPPER = (('_wgmma_source(144, "e4m3") + r"""',
                     ('"".join(_wgmma_source(n, "e4m3") for n in (64, 144)) + r"""',
                      '"".join(_wgmma_source(n, "e4m3") for n in (64, 144)) + r"""'),
                     ('"".join(_wgmma_source(n, "e4m3") for n in WIDE_TILE_TOKENS) + r"""',
-                     '"".join(_wgmma_source(n, "e4m3") for n in WIDE_TILE_TOKENS) + r"""'))
+                     '"".join(_wgmma_source(n, "e4m3") for n in WIDE_TILE_TOKENS) + r"""'),
+                    ('"".join(_wgmma_source(n, "e4m3") for n in (8, 16, 24, 32, *WIDE_TILE_TOKENS)) + r"""',
+                     '"".join(_wgmma_source(n, "e4m3") for n in (8, 16, 24, 32, *WIDE_TILE_TOKENS)) + r"""'))
 
 # wgmma_e4m3_wide<kTokens>: wide_e4m3_mma's dispatcher over the two widths.
 _E4M3_WIDE_DISPATCH = """template <int kTokens>
