@@ -594,10 +594,24 @@ GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8,
                 KernelConfig(24, 16, 24, 8, 3, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
 # The kernels' template arguments, once each (a config with wide tiles
 # shares them with the plain one).
-GEMM_CONFIG_SOURCE = "#define MOE_GEMM_CONFIGS(X) " + " ".join(dict.fromkeys(
-    f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
-    f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, {(c.stage2_warp_rows or c.warp_rows) // 16})"
-    for c in GEMM_CONFIGS)) + "\n"
+# The e4m3 configs whose stage 1 also has its folded form (stage1_kernel's
+# kFolded): 16 tokens and up. At 8 tokens the folded stage loop has as many
+# instructions as the per-block one (517 against 521; the rescale is small
+# there) and the call measured 4-5% slower (H200, 2026-12-02).
+FOLDED_STAGE1_MIN_TOKENS = 16
+
+
+def _config_macro(name: str, configs) -> str:
+    return f"#define {name}(X) " + " ".join(dict.fromkeys(
+        f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
+        f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, "
+        f"{(c.stage2_warp_rows or c.warp_rows) // 16})" for c in configs)) + "\n"
+
+
+GEMM_CONFIG_SOURCE = (_config_macro("MOE_GEMM_CONFIGS", GEMM_CONFIGS)
+                      + _config_macro("MOE_FOLDED_STAGE1_CONFIGS", [c for c in GEMM_CONFIGS if c.fp8
+                                                                    and c.tile_tokens >= FOLDED_STAGE1_MIN_TOKENS])
+                      + f"constexpr int kFoldedStage1MinTokens = {FOLDED_STAGE1_MIN_TOKENS};\n")
 
 
 def _wgmma_source(n: int, kind: str = "bf16") -> str:
@@ -1058,6 +1072,8 @@ struct GemmShape {
     // 128-thread CTAs of two 64-row tiles per warpgroup: three CTAs) and 128
     // (16 to 32 tokens; 80 spills at 16).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
+    // Stage 1 has a folded form (stage1_kernel's kFolded; see FOLDED_STAGE1_MIN_TOKENS).
+    static constexpr bool kFoldedStage1 = FP8 && kTokens >= kFoldedStage1MinTokens;
     // Stage 1 loads its weights by TMA, two boxes per stage (gemm_mainloop's
     // kWeightBoxes), in the warpgroup-MMA configs but the 24- and 32-token
     // e4m3 ones, whose stage 1 measured 4% slower so (bs=512 E=257, H200,
@@ -1882,35 +1898,67 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad, uint8_t* __restrict__ act,
         float* __restrict__ token_scale, float* __restrict__ block_scale, float* __restrict__ accumulator,
         int token) {
-    __shared__ int row_max;
+    __shared__ int row_max, row_min;
     const int quad = threadIdx.x & 3, k = threadIdx.x * 8;
     const bool active = k < d_hidden_pad;   // whole quads: d_hidden_pad is a multiple of 32
     float v[8], amax;
     bool has_nan;
     load_hidden_eighth(hidden, d_hidden, token, k, active, v, amax, has_nan);
     const int e = qa_exponent(amax);
-    if (threadIdx.x == 0) row_max = -128;
+    // The row's largest and smallest exponents of its nonzero blocks: each
+    // warp's first (a quad already agrees), then one shared atomic of each
+    // per warp (one per block, 224 on one word at d_hidden 7168, made Qa's
+    // kernel 7 us slower at bs=512: H200, 2026-12-02).
+    const bool nonzero = active && amax > 0.0f;
+    int warp_max = nonzero ? e : -128, warp_min = nonzero ? e : 128;
+#pragma unroll
+    for (int offset = 4; offset < 32; offset <<= 1) {
+        warp_max = max(warp_max, __shfl_xor_sync(0xFFFFFFFFu, warp_max, offset));
+        warp_min = min(warp_min, __shfl_xor_sync(0xFFFFFFFFu, warp_min, offset));
+    }
+    if (threadIdx.x == 0) {
+        row_max = -128;
+        row_min = 128;
+    }
     __syncthreads();
-    if (active && quad == 0 && amax > 0.0f) atomicMax(&row_max, e);
+    if ((threadIdx.x & 31) == 0) {
+        atomicMax(&row_max, warp_max);
+        atomicMin(&row_min, warp_min);
+    }
     __syncthreads();
     const int base = row_max - kFoldMaxShift, d = e - base;
-    const bool unfoldable = __syncthreads_or(
-        active && amax > 0.0f && (d < kFoldMinShift || (block_scale != nullptr && base - 6 < -126)));
+    const bool unfoldable = row_min - base < kFoldMinShift
+                         || (block_scale != nullptr && row_max > -128 && base - 6 < -126);
     if (threadIdx.x == 0) token_scale[token] = unfoldable ? __int_as_float(0x7FC00000) : exact_pow2(base);
     if (!active) return;
     const bool codes = block_scale != nullptr && unfoldable;
     if (block_scale != nullptr && quad == 0)
         block_scale[(size_t)token * (d_hidden_pad / kScaleBlock) + k / kScaleBlock] =
             exact_pow2(codes ? e : base - 6);
-    // Values 8q..8q+3 of the block go to k 4q..4q+3, values 8q+4.. to k 16+4q..: one 4-byte store each.
-    uint32_t low = 0, high = 0;
+    // The eight codes as one word for fp4_word_to_folded_e4m3, whose bytes
+    // .x (values 0-3) and .y (4-7) are this thread's k 4q..4q+3 and
+    // 16+4q..16+4q+3; a block 12 to 14 binades below the row's largest
+    // (subnormal bytes, beyond the table) value by value.
+    uint32_t word = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const uint32_t code_low = qa_code(v[i], e), code_high = qa_code(v[4 + i], e);
-        low |= (has_nan ? kE4m3Nan : codes ? e2m1_to_e4m3(code_low) : e2m1_to_e4m3_shifted(code_low, d)) << (8 * i);
-        high |= (has_nan ? kE4m3Nan : codes ? e2m1_to_e4m3(code_high) : e2m1_to_e4m3_shifted(code_high, d))
-              << (8 * i);
+    for (int i = 0; i < 8; ++i) word |= qa_code(v[i], e) << (4 * i);
+    uint2 bytes;
+    if (codes) {
+        bytes = fp4_word_to_folded_e4m3(word, kE4m3CodesLo, kE4m3CodesHi);
+    } else if (d >= kFoldTableMinShift) {
+        uint32_t lo, hi;
+        folded_e4m3_table(d, lo, hi);
+        bytes = fp4_word_to_folded_e4m3(word, lo, hi);
+    } else {
+        bytes = make_uint2(0u, 0u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            bytes.x |= e2m1_to_e4m3_shifted(word >> (4 * i) & 15u, d) << (8 * i);
+            bytes.y |= e2m1_to_e4m3_shifted(word >> (4 * i + 16) & 15u, d) << (8 * i);
+        }
     }
+    const uint32_t low = has_nan ? kE4m3Nan * 0x01010101u : bytes.x;
+    const uint32_t high = has_nan ? kE4m3Nan * 0x01010101u : bytes.y;
     uint8_t* block = act + (size_t)token * d_hidden_pad + (k - quad * 8);
     *reinterpret_cast<uint32_t*>(block + 4 * quad) = low;
     *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = high;
@@ -2058,6 +2106,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs,
         const __grid_constant__ TensorMap weight_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
+    static_assert(!kFolded || S::kFoldedStage1, "a folded stage 1: e4m3 configs of kFoldedStage1MinTokens and up");
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
     let_next_kernel_launch();
@@ -2081,13 +2130,16 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         return ((r >> 3) & 1) * d_expert_pad + col0 + (r >> 4) * 8 + (r & 7);
     };
     auto token_of = [&](int i) { return i < tile.rows ? sorted_tokens[tile.row_start + i] : -1; };
-    // kFolded: the tile's token scales, read by the epilogue (the mainloop's
-    // barriers order these stores before it).
+    // kFolded: the tile's token scales for the epilogue, copied as the
+    // first stage's cp.async group, which the mainloop waits for before it
+    // returns (loaded into a register here, the scale's round trip held
+    // every CTA's first copies: the 8-token stage 1 took 10% longer).
     __shared__ float tile_token_scale[kFolded ? S::kTokens : 1];
     if constexpr (kFolded)
         if (tid < S::kTokens) {
             const int token = token_of(tid);
-            tile_token_scale[tid] = token >= 0 ? token_scale[token] : 0.0f;
+            cp_async_small<4>(&tile_token_scale[tid], token >= 0 ? token_scale + token : token_scale,
+                              token >= 0 ? 4 : 0);
         }
 
     // e4m3: K on the narrow path, checking the scales on the way instead of
@@ -2366,24 +2418,21 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 
 // Explicit instantiations, so that a plain nvcc compile of this source (the
 // CI build check) produces and reports every kernel.
-// The e4m3 configs' stage 1 also on folded bytes (MOE_INSTANTIATE_FOLDED_true).
 #define MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, FOLDED)                                     \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, FOLDED>(const uint8_t*,        \
         const uint8_t*, const uint8_t*, const float*, const float*, const int*, const int*, const int2*,   \
         const int*, int, int, int, int, int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);
-#define MOE_INSTANTIATE_FOLDED_true(NT, MT, WT, SB, STAGES, WG) \
-    MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, true, true)
-#define MOE_INSTANTIATE_FOLDED_false(NT, MT, WT, SB, STAGES, WG)
+#define MOE_INSTANTIATE_FOLDED(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
+    MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, true)
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
     MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, false)                                         \
-    MOE_INSTANTIATE_FOLDED_##FP8(NT, MT, WT, SB, STAGES, WG)                                               \
     template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
         const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
         int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
+MOE_FOLDED_STAGE1_CONFIGS(MOE_INSTANTIATE_FOLDED)
 #undef MOE_INSTANTIATE
-#undef MOE_INSTANTIATE_FOLDED_true
-#undef MOE_INSTANTIATE_FOLDED_false
+#undef MOE_INSTANTIATE_FOLDED
 #undef MOE_INSTANTIATE_STAGE1
 #define MOE_INSTANTIATE_ROUTE(FP8, FOLDED)                                                                 \
     template __global__ void route_and_quantize_kernel<FP8, FOLDED>(const int*, const float*, int, int, int, \
@@ -3494,9 +3543,9 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
-    // e4m3 with folded activations (c.act has token scales): the folded form.
+    // With folded activations (c.act has token scales): the folded form.
     auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false>;
-    if constexpr (FP8)
+    if constexpr (S::kFoldedStage1)
         if (c.act.token_scale.defined()) stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true>;
     auto shared_bytes = [](int k_blocks) {
         return S::shared_bytes(k_blocks, S::kTokens * kStage1HStride * (int)sizeof(float), 1, S::kStages);
@@ -3706,11 +3755,13 @@ torch::Tensor moe_forward(
     int* bad_ids = sorted_tokens + 2 * num_pairs;
     int* redo_tiles = bad_ids + 1;   // the folded wide stage 1's fallback (launch_wide_stage1)
     int* stage2_redo = redo_tiles + 1;   // the folded wide stage 2's (launch_wide_stage2)
-    // Wide tiles, and the e4m3 configs' plain tiles, take folded E4M3
-    // activations (both stage 1s' folded forms) where one Qa CTA holds a
-    // token's whole row; stage 2 folds its own at 144 tokens only (the
-    // 64-token wide stage 2 runs in bf16, the plain ones on Qa's codes).
-    const bool folded = (wide_tile_tokens > 0 || fp8) && d_hidden_pad <= kPrepareColumns;
+    // Wide tiles, and the e4m3 configs' plain tiles of 16 tokens and up,
+    // take folded E4M3 activations (both stage 1s' folded forms) where one
+    // Qa CTA holds a token's whole row; stage 2 folds its own at 144 tokens
+    // only (the 64-token wide stage 2 runs in bf16, the plain ones on the
+    // codes and block scales stage 1 writes).
+    const bool folded = (wide_tile_tokens > 0 || (fp8 && tile_tokens >= kFoldedStage1MinTokens))
+                        && d_hidden_pad <= kPrepareColumns;
     const bool folded_stage2 = folded && wide_tile_tokens == 144;
     const Activations act(m, d_hidden_pad, fp8, folded, hidden_states.options());
     const Activations inter(num_pairs, d_expert_pad, fp8, false, hidden_states.options());

@@ -154,10 +154,11 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
     # kernel and stage 2's fold of the intermediate rows; SwiGLU+Qa of split stage 1 for both formats at 1, 2
     # and 4 rows per warp; the wide stage 2 of each wide tile width, and folded at 144; the wide stage 1 of
     # each width, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that
-    # differ in wide tiles only), and the e4m3 configs' stage 1 also folded
+    # differ in wide tiles only), and the e4m3 configs' stage 1 also folded from 16 tokens
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
     assert len(kernels) == (1 + 3 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
-                            + 2 * len(kernel_sets) + sum(config.fp8 for config in kernel_sets)), kernels
+                            + 2 * len(kernel_sets)
+                            + sum(c.fp8 and c.tile_tokens >= solution.FOLDED_STAGE1_MIN_TOKENS for c in kernel_sets)), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
@@ -393,8 +394,9 @@ def test_every_config_takes_the_wide_path_in_stage1(config):
 WIDE_144 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144)
 WIDE_64 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 64)
 # Every config whose stage 1 has a folded e4m3 form: the wide ones and the
-# plain e4m3 ones.
-FOLDED_STAGE1 = [WIDE_64, WIDE_144, *(c for c in solution.GEMM_CONFIGS if c.fp8)]
+# plain e4m3 ones of 16 tokens and up.
+FOLDED_STAGE1 = [WIDE_64, WIDE_144, *(c for c in solution.GEMM_CONFIGS
+                                     if c.fp8 and c.tile_tokens >= solution.FOLDED_STAGE1_MIN_TOKENS)]
 
 
 def config_id(config):
