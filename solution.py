@@ -1592,6 +1592,16 @@ __device__ __forceinline__ bool gemm_mainloop(
         if (first_stage)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) folded_rows[mt].set(scales[mt][0][0], scales[mt][1][0]);
+        // A scale byte of 255 (NaN) makes its whole block NaN, zero codes
+        // included, which the window test lets pass: K again per block.
+        uint32_t nan_scales = 0;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int i = 0; i < SB / 4; ++i) nan_scales |= scale_bytes_above(scales[mt][h][i], 254u);
+        outside_window |= (nan_scales & 0x80808080u) != 0u;
 #pragma unroll
         for (int bp = 0; bp < SB; bp += 2) {
             uint32_t next[MT][4];
@@ -1907,8 +1917,9 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
     const int e = qa_exponent(amax);
     // The row's largest and smallest exponents of its nonzero blocks: each
     // warp's first (a quad already agrees), then one shared atomic of each
-    // per warp (one per block, 224 on one word at d_hidden 7168, made Qa's
-    // kernel 7 us slower at bs=512: H200, 2026-12-02).
+    // per warp (one per block, 224 on one word at d_hidden 7168: the kernel
+    // took 20.5 us at bs=512 E=257 so, 17.4 so, the unfolded Qa 13.6; H200,
+    // 2026-12-02).
     const bool nonzero = active && amax > 0.0f;
     int warp_max = nonzero ? e : -128, warp_min = nonzero ? e : 128;
 #pragma unroll

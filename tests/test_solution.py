@@ -509,6 +509,28 @@ def test_folded_stage1_on_hidden_states_near_the_bottom_of_fp32(config):
 
 
 @needs_cuda
+@pytest.mark.parametrize("config", [c for c in FOLDED_STAGE1 if c.fp8], ids=config_id)
+def test_folded_stage1_keeps_a_nan_scale_over_zero_codes(config):
+    """A gate row's block of zero codes under scale byte 255 (E8M0 NaN) is
+    NaN in the reference, so every token routed to that expert comes out
+    NaN. The fold's window test lets zero codes pass at any shift; the
+    plain folded pass must send such a CTA to its per-block pass, which
+    keeps the NaN."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 48)
+    expert, row, block = 3, 5, 2
+    d_expert_pad = data[11]["d_expert_pad"]
+    weights = data[1].view(torch.uint8).clone()
+    weights[expert, row, 16 * block:16 * block + 16] = 0
+    scales = data[3].view(torch.uint8).clone()
+    scales[expert * 2 * d_expert_pad + row, block] = 255
+    data = with_replaced(data, 1, weights.view(data[1].dtype))
+    data = with_replaced(data, 3, scales.view(data[3].dtype))
+    module = solution._backend(torch.device("cuda"))[1]
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
+    assert torch.isnan(out).any() and not torch.isnan(out).all()
+
+
+@needs_cuda
 def test_memory_stays_flat_over_10000_calls():
     """Allocated memory is the same after 10,000 calls as after one, and the
     results stay within the atomics' one-ulp variation (README)."""
