@@ -822,15 +822,19 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a
     __trap();
 #endif
 }
-// The narrow folded pass's MMA (gemm_mainloop's ScalePath::kFolded):
-// m64nNk32 e4m3 for N = 8 * N8, adding into d.
-template <int N8>
-__device__ __forceinline__ void wgmma_e4m3_accumulate(float (&d)[N8][4], const uint32_t (&a)[4],
-                                                      uint32_t b_descriptor) {
-    if constexpr (N8 == 1) wgmma_m64n8k32_e4m3(d, a, b_descriptor, 1u);
-    else if constexpr (N8 == 2) wgmma_m64n16k32_e4m3(d, a, b_descriptor, 1u);
-    else if constexpr (N8 == 3) wgmma_m64n24k32_e4m3(d, a, b_descriptor, 1u);
-    else wgmma_m64n32k32_e4m3(d, a, b_descriptor, 1u);
+// The folded passes' MMA, m64nNk32 e4m3 (gemm_mainloop's kFolded at N = 8
+// to 32 tokens, the wide kernels' folded forms at 64 and 144): one of the
+// generated wrappers above, d (+)= a.b.
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3_mma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
+                                               uint32_t accumulate) {
+    static_assert(N == 8 || N == 16 || N == 24 || N == 32 || N == 64 || N == 144, "the generated e4m3 wrappers");
+    if constexpr (N == 8) wgmma_m64n8k32_e4m3(d, a, b_descriptor, accumulate);
+    else if constexpr (N == 16) wgmma_m64n16k32_e4m3(d, a, b_descriptor, accumulate);
+    else if constexpr (N == 24) wgmma_m64n24k32_e4m3(d, a, b_descriptor, accumulate);
+    else if constexpr (N == 32) wgmma_m64n32k32_e4m3(d, a, b_descriptor, accumulate);
+    else if constexpr (N == 64) wgmma_m64n64k32_e4m3(d, a, b_descriptor, accumulate);
+    else wgmma_m64n144k32_e4m3(d, a, b_descriptor, accumulate);
 }
 // Keeps the compiler from moving a read of an asynchronous MMA's result
 // above the wgmma_wait that makes it valid (volatile asm stays in order).
@@ -1622,7 +1626,7 @@ __device__ __forceinline__ bool gemm_mainloop(
                 wgmma_fence();
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
-                    wgmma_e4m3_accumulate<WT>(acc[mt], a[mt], act_descriptor + S::act_offset(0, 2 * block) / 16);
+                    wgmma_e4m3_mma<WT * 8>(acc[mt], a[mt], act_descriptor + S::act_offset(0, 2 * block) / 16, 1u);
                 wgmma_commit();
                 wgmma_wait<1>();   // the block before's A registers are free again
             }
@@ -2504,13 +2508,6 @@ __device__ __forceinline__ void wgmma_wide(float (&d)[kTokens / 8][4], const uin
     if constexpr (kTokens == 144) wgmma_m64n144k16(d, a, b_descriptor, accumulate);
     else wgmma_m64n64k16(d, a, b_descriptor, accumulate);
 }
-// The folded form's, m64nNk32 e4m3.
-template <int kTokens>
-__device__ __forceinline__ void wgmma_wide_e4m3(float (&d)[kTokens / 8][4], const uint32_t (&a)[4],
-                                                uint32_t b_descriptor, uint32_t accumulate) {
-    if constexpr (kTokens == 144) wgmma_m64n144k32_e4m3(d, a, b_descriptor, accumulate);
-    else wgmma_m64n64k32_e4m3(d, a, b_descriptor, accumulate);
-}
 template <> struct WideTraits<144> {
     static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 4, kProducerWarps1 = 4;
 };
@@ -2702,8 +2699,8 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         }
         wgmma_fence();
         // Block b's 32 bytes of each token: chunks 2b, 2b + 1 of the swizzled rows.
-        wgmma_wide_e4m3<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
-                                 !first_of_tile || block > 0);
+        wgmma_e4m3_mma<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
+                                !first_of_tile || block > 0);
     });
     out_of_window |= (uint32_t)outside[0] | (uint32_t)outside[1] << 1;
 }
@@ -3573,8 +3570,8 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), slices.count()),
         S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
-        c.act.token_scales(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad, c.d_expert,
-        c.d_expert_pad, slices.blocks, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
+        c.act.token_scales(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
+        c.d_expert, c.d_expert_pad, slices.blocks, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
         S::kStage1WeightBoxes > 0 ? gate_up_map(c, SB) : TensorMap{});
     launch_swiglu_quantize<FP8>(c, slices);
 }
