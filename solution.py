@@ -1378,8 +1378,10 @@ __device__ __forceinline__ bool gemm_mainloop(
     // kNarrowChecked: set by any thread that loaded a scale byte above
     // kNarrowLimit (shared memory, not a register live across K: the
     // 32-token stage 1 is at its register cap); kFolded: by any thread whose
-    // rows left their window.
+    // outside_window is set at the end (a NaN scale byte, or rows that left
+    // their window).
     __shared__ int saw_wide_scale;
+    bool outside_window = false;
     constexpr bool kChecked = kPath == ScalePath::kNarrowChecked || kPath == ScalePath::kFolded;
     if (kChecked && tid == 0) saw_wide_scale = 0;   // before the first stage's barrier
     // The shared-memory row of local weight row r (two TMA boxes: see kWeightBoxes).
@@ -1404,15 +1406,23 @@ __device__ __forceinline__ bool gemm_mainloop(
                 for (int i = 0; i < SB / 4; ++i)
                     scales[mt][h][i] = *reinterpret_cast<const uint32_t*>(
                         ws_s + (first_row + mt * S::kMTileStride + g + 8 * h) * SB + 4 * i);
-        if constexpr (kPath == ScalePath::kNarrowChecked) {   // the warps' rows g, g+8 cover all of the CTA's
+        // The checked passes' scale test (the warps' rows g, g+8 cover all of
+        // the CTA's): kNarrowChecked, any byte above kNarrowLimit; kFolded,
+        // any of 255 (NaN), which makes its whole block NaN, zero codes
+        // included, where the fold's window test lets zero codes pass.
+        if constexpr (kChecked) {
+            constexpr uint32_t kLimit = kPath == ScalePath::kFolded ? 254u : kNarrowLimit;
             uint32_t above = 0;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
 #pragma unroll
-                    for (int i = 0; i < SB / 4; ++i) above |= scale_bytes_above(scales[mt][h][i], kNarrowLimit);
-            if ((above & 0x80808080u) != 0u) saw_wide_scale = 1;
+                    for (int i = 0; i < SB / 4; ++i) above |= scale_bytes_above(scales[mt][h][i], kLimit);
+            if constexpr (kPath == ScalePath::kFolded)
+                outside_window |= (above & 0x80808080u) != 0u;
+            else if ((above & 0x80808080u) != 0u)
+                saw_wide_scale = 1;
         }
         load_weight_words(w, stage_base(slot) + S::kWeightOffset, 0);
     };
@@ -1589,23 +1599,12 @@ __device__ __forceinline__ bool gemm_mainloop(
     // sums are multiplied by 2^(base - 127) here and by the tokens' scales
     // in stage1_kernel. Block b + 1 converts while block b's MMAs run.
     FoldedRows folded_rows[MT];
-    bool outside_window = false;
     // (Generic, as compute_blocks_fp8, so that only kFolded configs compile it.)
     auto compute_blocks_folded = [&](auto first_stage, const uint8_t* w_s, const uint8_t* a_s) {
         const uint32_t act_descriptor = wgmma_descriptor_low(a_s);
         if (first_stage)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) folded_rows[mt].set(scales[mt][0][0], scales[mt][1][0]);
-        // A scale byte of 255 (NaN) makes its whole block NaN, zero codes
-        // included, which the window test lets pass: K again per block.
-        uint32_t nan_scales = 0;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int i = 0; i < SB / 4; ++i) nan_scales |= scale_bytes_above(scales[mt][h][i], 254u);
-        outside_window |= (nan_scales & 0x80808080u) != 0u;
 #pragma unroll
         for (int bp = 0; bp < SB; bp += 2) {
             uint32_t next[MT][4];
