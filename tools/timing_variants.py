@@ -108,6 +108,13 @@ VARIANTS = {
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
         [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);",
            "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h];"),)]),
+    "wide_folded_no_convert": (
+        "the folded wide consumers (stage 1 at 64 and 144 tokens, stage 2 at 144) give their e4m3 MMAs the raw "
+        "fp4 words and their scale words (no fold through the tables, no window test): what the conversion "
+        "chain between a block's ldmatrix and its MMA costs",
+        [(("            const uint2 bytes = rows.fold(h, words[h], byte_perm(scales[h], 0u, 0x4440u | block), "
+           "outside[h]);",
+           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),)]),
     "wide_s2_no_act_copy": (
         "stage2_wide_kernel loads no activations (its TMA boxes of the tile's rows, bf16 or folded; the consumers "
         "read stale shared memory): what re-reading a tile's intermediate rows from L2 for every row tile costs",
