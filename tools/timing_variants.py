@@ -115,6 +115,21 @@ VARIANTS = {
         [(("            const uint2 bytes = rows.fold(h, words[h], byte_perm(scales[h], 0u, 0x4440u | block), "
            "outside[h]);",
            "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),)]),
+    "plain_folded_no_convert": (
+        "the plain e4m3 stage 1's folded pass (16 to 32 tokens) gives its MMAs the raw fp4 words and their "
+        "scale words (no fold through the tables, no window test): what the conversion costs that kernel",
+        [(("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], scale, "
+           "outside_window);",
+           "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h] ^ scale);"),)]),
+    "plain_e4m3_no_convert": (
+        "the plain e4m3 per-block pass (the 8-token configs, and the folded kernels' redo) gives its MMAs the raw "
+        "fp4 words (no E2M1 -> E4M3 conversion; the per-block rescale kept)",
+        [(("                        a[mt][0] = fp4_even_to_e4m3(w[mt][2 * q]);\n"
+           "                        a[mt][1] = fp4_even_to_e4m3(w[mt][2 * q + 1]);\n"
+           "                        a[mt][2] = fp4_odd_to_e4m3(w[mt][2 * q]);\n"
+           "                        a[mt][3] = fp4_odd_to_e4m3(w[mt][2 * q + 1]);",
+           "                        a[mt][0] = a[mt][2] = w[mt][2 * q];\n"
+           "                        a[mt][1] = a[mt][3] = w[mt][2 * q + 1];"),)]),
     "wide_s2_no_act_copy": (
         "stage2_wide_kernel loads no activations (its TMA boxes of the tile's rows, bf16 or folded; the consumers "
         "read stale shared memory): what re-reading a tile's intermediate rows from L2 for every row tile costs",
