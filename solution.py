@@ -1168,16 +1168,21 @@ struct FoldedRows {
             window_start[h] = base[h] + (uint32_t)kFoldTableMinShift;   // mod 2^32, as the test below wants
         }
     }
-    // Row g + 8h's block of scale byte `scale` as folded E4M3 bytes (see
-    // fp4_word_to_folded_e4m3); outside is set when the block lies outside
-    // the fold's window and its codes are not all zero (zero codes, as in
-    // K's zero-filled tail, fold to zero at any shift).
-    __device__ __forceinline__ uint2 fold(int h, uint32_t word, uint32_t scale, bool& outside) const {
+    // Row g + 8h's block as folded E4M3 bytes (see fp4_word_to_folded_e4m3),
+    // its scale byte being byte `block` (0-3) of four_scales; outside is set
+    // when the block lies outside the fold's window and its codes are not
+    // all zero (zero codes, as in K's zero-filled tail, fold to zero at any
+    // shift).
+    __device__ __forceinline__ uint2 fold(int h, uint32_t word, uint32_t four_scales, int block,
+                                          bool& outside) const {
+        const uint32_t scale = byte_perm(four_scales, 0u, 0x4440u | block);
         outside |= scale - window_start[h] > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
                    && (word & 0x77777777u) != 0u;
         // folded_e4m3_table(scale - base): linear in its shift.
         return fp4_word_to_folded_e4m3(word, lo_at_zero[h] + scale * 0x08080800u, hi_at_zero[h] + scale * 0x08080808u);
     }
+    // 2^(base - 127): row g + 8h's sums times it after K give their values.
+    __device__ __forceinline__ float row_scale(int h) const { return exact_pow2((int)base[h] - 127); }
 };
 
 // Where a CTA's weight rows lie in a TMA map (see tensor_map): box i of a
@@ -1617,8 +1622,8 @@ __device__ __forceinline__ bool gemm_mainloop(
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const uint32_t scale = byte_perm(scales[mt][h][block / 4], 0u, 0x4440u | (block % 4));
-                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], scale, outside_window);
+                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], scales[mt][h][block / 4],
+                                                                 block % 4, outside_window);
                         a[mt][h] = bytes.x;       // k 4t..4t+3 of row g + 8h
                         a[mt][2 + h] = bytes.y;   // k 16+4t..16+4t+3
                     }
@@ -1772,7 +1777,7 @@ __device__ __forceinline__ bool gemm_mainloop(
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     pin_register(acc[mt][nt][i]);
-                    acc[mt][nt][i] *= exact_pow2((int)folded_rows[mt].base[i >> 1] - 127);   // one per row, after CSE
+                    acc[mt][nt][i] *= folded_rows[mt].row_scale(i >> 1);   // one per row, after CSE
                 }
     }
     cp_async_wait<0>();
@@ -2692,7 +2697,7 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         uint32_t a[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint2 bytes = rows.fold(h, words[h], byte_perm(scales[h], 0u, 0x4440u | block), outside[h]);
+            const uint2 bytes = rows.fold(h, words[h], scales[h], block, outside[h]);
             a[h] = bytes.x;       // k 4t..4t+3 of row g + 8h
             a[2 + h] = bytes.y;   // k 16+4t..16+4t+3
         }
@@ -2960,7 +2965,7 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
                 wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0,
                                                           lane_offsets, rows, out_of_window);
             wgmma_wait<0>();
-            const float row_scale[2] = {exact_pow2((int)rows.base[0] - 127), exact_pow2((int)rows.base[1] - 127)};
+            const float row_scale[2] = {rows.row_scale(0), rows.row_scale(1)};
 #pragma unroll
             for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
@@ -3184,8 +3189,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 2);
             if (out_of_window) *redo_tiles = num_tiles;
             const float nan = __int_as_float(0x7FC00000);
-            const float gate_scale = out_of_window & 1u ? nan : exact_pow2((int)rows.base[0] - 127);
-            const float up_scale = out_of_window & 2u ? nan : exact_pow2((int)rows.base[1] - 127);
+            const float gate_scale = out_of_window & 1u ? nan : rows.row_scale(0);
+            const float up_scale = out_of_window & 2u ? nan : rows.row_scale(1);
             const float* tokens = unit_token_scale + n % kRing * kTokens;
 #pragma unroll
             for (int nt = 0; nt < kTokens / 8; ++nt)

@@ -114,13 +114,20 @@ VARIANTS = {
         "chain between a block's ldmatrix and its MMA costs",
         [(("            const uint2 bytes = rows.fold(h, words[h], byte_perm(scales[h], 0u, 0x4440u | block), "
            "outside[h]);",
-           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),)]),
+           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),
+          ("            const uint2 bytes = rows.fold(h, words[h], scales[h], block, outside[h]);",
+           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"))]),
     "plain_folded_no_convert": (
         "the plain e4m3 stage 1's folded pass (16 to 32 tokens) gives its MMAs the raw fp4 words and their "
         "scale words (no fold through the tables, no window test): what the conversion costs that kernel",
         [(("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], scale, "
            "outside_window);",
-           "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h] ^ scale);"),)]),
+           "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h] ^ scale);"),
+          ("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], "
+           "scales[mt][h][block / 4],\n"
+           "                                                                 block % 4, outside_window);",
+           "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h]\n"
+           "                                                       ^ scales[mt][h][block / 4]);"))]),
     "plain_e4m3_no_convert": (
         "the plain e4m3 per-block pass (the 8-token configs, and the folded kernels' redo) gives its MMAs the raw "
         "fp4 words (no E2M1 -> E4M3 conversion; the per-block rescale kept)",
