@@ -3382,9 +3382,11 @@ __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {
 }
 // Activations in the GEMMs' format (bf16 values, or FP8: E4M3 codes with
 // fp32 block scales in `scale`, undefined for bf16) as raw bytes.
-// folded: the wide stage 1's folded E4M3 bytes (quantize_hidden_row_folded),
-// a scale per row, and room for the rows as bf16 values, which its redo
-// reads (folded_fallback_kernel).
+// folded: the folded stage 1s' E4M3 bytes (quantize_hidden_row_folded) with
+// a scale per row in `token_scale`; FP8 (the plain folded stage 1) keeps
+// `scale` for the block scales its per-block pass reads, bf16 (the wide
+// one) gets room for the rows as bf16 values, which its redo reads
+// (folded_fallback_kernel).
 struct Activations {
     torch::Tensor values, scale, token_scale, fallback;
     Activations(int rows, int k_padded, bool fp8, bool folded, const torch::TensorOptions& options)
