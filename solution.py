@@ -330,25 +330,38 @@ __device__ __forceinline__ float qa_value(float v, int e) {
     return e2m1_value(qa_code(v, e)) * exact_pow2(e);
 }
 
-// Qa of one 32-value block held one value per lane (SPEC section 4), in the
-// activation format of the GEMM that reads it: kFp8, the E4M3 codes at
-// fp8_act_position in the block's 32 bytes of dst and 2^e in *scale;
-// otherwise the dequantised bf16 values at act_position in its 64 bytes.
-// All NaN if any value is NaN, so that NaN reaches the output instead of
-// vanishing in the max.
-template <bool kFp8>
-__device__ __forceinline__ void quantize_block_warp(float v, int lane, uint8_t* dst, float* scale) {
-    float amax = fabsf(v);
+// Qa of N 32-value blocks, one value of each per lane (SPEC section 4), in
+// the activation format of the GEMM that reads them: kFp8, the E4M3 codes
+// at fp8_act_position in block i's 32 bytes of dst[i] and 2^e in
+// *scale[i]; otherwise the dequantised bf16 values at act_position in its
+// 64 bytes. Blocks count..N-1 are computed, not stored (count is
+// warp-uniform). A block is all NaN if any value is NaN, so that NaN
+// reaches the output instead of vanishing in the max. The blocks'
+// reductions interleave: a block at a time, each was a chain of five
+// dependent shuffles, and a warp's Qa epilogue (36 blocks a warp in the
+// 144-token stage 1) held its unit's pipeline for microseconds.
+template <bool kFp8, int N>
+__device__ __forceinline__ void quantize_blocks_warp(const float (&v)[N], int count, int lane,
+                                                     uint8_t* const (&dst)[N], float* const (&scale)[N]) {
+    float amax[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) amax[i] = fabsf(v[i]);
+#pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const bool has_nan = __any_sync(0xffffffffu, isnan(v));
-    const int e = qa_exponent(amax);
-    if (kFp8) {
-        dst[fp8_act_position(lane)] = (uint8_t)(has_nan ? kE4m3Nan : e2m1_to_e4m3(qa_code(v, e)));
-        if (lane == 0) *scale = exact_pow2(e);
-    } else {
-        reinterpret_cast<__nv_bfloat16*>(dst)[act_position(lane)] =
-            __float2bfloat16_rn(has_nan ? __int_as_float(0x7FC00000) : qa_value(v, e));
+#pragma unroll
+        for (int i = 0; i < N; ++i) amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], offset));
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const bool has_nan = __any_sync(0xffffffffu, isnan(v[i]));
+        if (i >= count) continue;
+        const int e = qa_exponent(amax[i]);
+        if (kFp8) {
+            dst[i][fp8_act_position(lane)] = (uint8_t)(has_nan ? kE4m3Nan : e2m1_to_e4m3(qa_code(v[i], e)));
+            if (lane == 0) *scale[i] = exact_pow2(e);
+        } else {
+            reinterpret_cast<__nv_bfloat16*>(dst[i])[act_position(lane)] =
+                __float2bfloat16_rn(has_nan ? __int_as_float(0x7FC00000) : qa_value(v[i], e));
+        }
     }
 }
 
@@ -2098,6 +2111,32 @@ __global__ void __launch_bounds__(kFallbackThreads) folded_fallback_kernel(
 constexpr int kStage1Columns = kRows / 2;  // intermediate columns per CTA
 constexpr int kStage1HStride = kStage1Columns + 4;
 
+// Qa of a stage-1 tile's SwiGLU values in shared memory (h: rows x
+// kStage1HStride floats, two 32-column blocks a row, columns from col0)
+// into inter (and inter_scale for kFp8), by `warps` warps: warp w takes
+// items w, w + warps, ... (item = row * 2 + block), kGroup at a time.
+template <bool kFp8, int kGroup>
+__device__ __forceinline__ void quantize_h_rows(const float* h, int rows, int warp, int warps, int lane,
+                                                int row_start, int col0, int d_expert_pad,
+                                                uint8_t* __restrict__ inter, float* __restrict__ inter_scale) {
+    const int items = rows * 2;
+    for (int first = warp; first < items; first += kGroup * warps) {
+        float v[kGroup];
+        uint8_t* dst[kGroup];
+        float* scale[kGroup];
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) {
+            const int item = min(first + i * warps, items - 1);   // past the end: computed, not stored
+            const int token = item >> 1, block = item & 1;
+            const size_t row = row_start + token, col = col0 + block * kScaleBlock;
+            v[i] = h[token * kStage1HStride + block * kScaleBlock + lane];
+            dst[i] = inter + (row * d_expert_pad + col) * (kFp8 ? 1 : 2);
+            scale[i] = kFp8 ? inter_scale + row * (d_expert_pad / kScaleBlock) + col / kScaleBlock : nullptr;
+        }
+        quantize_blocks_warp<kFp8, kGroup>(v, (items - first + warps - 1) / warps, lane, dst, scale);
+    }
+}
+
 // SwiGLU of one intermediate value, rounded to bf16 as the reference does
 // before its Qa.
 __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
@@ -2229,13 +2268,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                     col0 + local_col < d_expert ? swiglu_bf16(acc[mt][nt][j], acc[mt][nt][2 + j]) : 0.0f;
             }
     __syncthreads();
-    for (int item = warp; item < tile.rows * 2; item += S::kWarps) {
-        const int token = item >> 1, block = item & 1;
-        const size_t row = tile.row_start + token, col = col0 + block * kScaleBlock;
-        quantize_block_warp<FP8>(h[token * kStage1HStride + block * 32 + lane], lane,
-                                 inter + (row * d_expert_pad + col) * S::kActValueBytes,
-                                 inter_scale + row * (d_expert_pad / kScaleBlock) + col / kScaleBlock);
-    }
+    quantize_h_rows<FP8, kFolded ? 4 : 1>(h, tile.rows, warp, S::kWarps, lane, tile.row_start, col0, d_expert_pad, inter,
+                         inter_scale);
 }
 
 // The end of a K-split stage 1: warp (kRows rows from kRows*blockIdx.x,
@@ -2283,14 +2317,18 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
                     sum[r].y += v[i][r].y;
                 }
     }
-    const int routed_rows = expert_offsets[n_experts];
+    float v[kRows];
+    uint8_t* dst[kRows];
+    float* scale[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-        if (row0 + r >= routed_rows) break;   // warp-uniform
         const size_t block_start = (size_t)(row0 + r) * d_expert_pad + col - lane;
-        quantize_block_warp<kFp8>(col < d_expert ? swiglu_bf16(sum[r].x, sum[r].y) : 0.0f, lane,
-                                  inter + block_start * (kFp8 ? 1 : 2), inter_scale + block_start / kScaleBlock);
+        v[r] = col < d_expert ? swiglu_bf16(sum[r].x, sum[r].y) : 0.0f;
+        dst[r] = inter + block_start * (kFp8 ? 1 : 2);
+        scale[r] = inter_scale + block_start / kScaleBlock;
     }
+    // Rows past the routed pairs' are computed, not stored.
+    quantize_blocks_warp<kFp8, kRows>(v, expert_offsets[n_experts] - row0, lane, dst, scale);
 }
 
 }  // namespace moe
@@ -3227,12 +3265,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                 h[(nt * 8 + 2 * t + j) * kStage1HStride + local_col] =
                     unit.col0 + local_col < d_expert ? swiglu_bf16(acc[nt][j], acc[nt][2 + j]) : 0.0f;
         named_barrier_sync(1, W::kConsumerWarps * 32);
-        for (int item = warp; item < unit.tile.rows * 2; item += W::kConsumerWarps) {
-            const int token = item >> 1, block = item & 1;
-            const size_t row = unit.tile.row_start + token, col = unit.col0 + block * kScaleBlock;
-            quantize_block_warp<false>(h[token * kStage1HStride + block * 32 + lane], lane,
-                                       inter + (row * d_expert_pad + col) * 2, nullptr);
-        }
+        quantize_h_rows<false, 4>(h, unit.tile.rows, warp, W::kConsumerWarps, lane, unit.tile.row_start, unit.col0,
+                               d_expert_pad, inter, nullptr);
         named_barrier_sync(1, W::kConsumerWarps * 32);   // h is free again
     }
 }
