@@ -338,8 +338,8 @@ __device__ __forceinline__ float qa_value(float v, int e) {
 // warp-uniform). A block is all NaN if any value is NaN, so that NaN
 // reaches the output instead of vanishing in the max. The blocks'
 // reductions interleave: a block at a time, each was a chain of five
-// dependent shuffles, and a warp's Qa epilogue (36 blocks a warp in the
-// 144-token stage 1) held its unit's pipeline for microseconds.
+// dependent shuffles, 36 of them a warp in a 144-token unit's epilogue;
+// four at a time took d2048's stage 1 from 471 to 464 us (H200).
 template <bool kFp8, int N>
 __device__ __forceinline__ void quantize_blocks_warp(const float (&v)[N], int count, int lane,
                                                      uint8_t* const (&dst)[N], float* const (&scale)[N]) {
