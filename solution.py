@@ -2268,8 +2268,12 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                     col0 + local_col < d_expert ? swiglu_bf16(acc[mt][nt][j], acc[mt][nt][2 + j]) : 0.0f;
             }
     __syncthreads();
-    quantize_h_rows<FP8, kFolded ? 4 : 1>(h, tile.rows, warp, S::kWarps, lane, tile.row_start, col0, d_expert_pad, inter,
-                         inter_scale);
+    // Four blocks at a time where the registers allow: the unfolded e4m3
+    // kernels of 24 and 32 tokens sit at their 128-register cap, and spilled
+    // at two.
+    constexpr int kQaGroup = kFolded ? 4 : 1;
+    quantize_h_rows<FP8, kQaGroup>(h, tile.rows, warp, S::kWarps, lane, tile.row_start, col0, d_expert_pad, inter,
+                                   inter_scale);
 }
 
 // The end of a K-split stage 1: warp (kRows rows from kRows*blockIdx.x,
@@ -3266,7 +3270,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                     unit.col0 + local_col < d_expert ? swiglu_bf16(acc[nt][j], acc[nt][2 + j]) : 0.0f;
         named_barrier_sync(1, W::kConsumerWarps * 32);
         quantize_h_rows<false, 4>(h, unit.tile.rows, warp, W::kConsumerWarps, lane, unit.tile.row_start, unit.col0,
-                               d_expert_pad, inter, nullptr);
+                                  d_expert_pad, inter, nullptr);
         named_barrier_sync(1, W::kConsumerWarps * 32);   // h is free again
     }
 }
