@@ -903,8 +903,16 @@ def test_e2m1_code_matches_the_reference(helpers):
     grid = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 1e30, float("inf")]
     values = grid + [-v for v in grid] + [v * (1 + d) for v in grid[1:14] for d in (1e-6, -1e-6)]
     values += torch.randn(2000, generator=torch.Generator().manual_seed(1)).mul(3).tolist()
-    expected = reference.e2m1_encode(torch.tensor(values, dtype=torch.float32)).tolist()
-    assert helpers("code", float_bits(values)) == expected
+    bits = float_bits(values)
+    # Every rounding boundary and binade edge, 40 ulps either side, and every
+    # sign, exponent and top mantissa pattern (NaNs, infinities and
+    # subnormals among them), each with random low bits.
+    edges = float_bits([0.25, 0.5, 0.75, 1.0, 1.25, 1.75, 2.0, 2.5, 3.5, 4.0, 5.0, 6.0])
+    bits += [(e + d) | sign for e in edges for d in range(-40, 41) for sign in (0, 1 << 31)]
+    low = torch.randint(0, 1 << 16, (1 << 16,), generator=torch.Generator().manual_seed(2)).tolist()
+    bits += [top << 16 | low[top] for top in range(1 << 16)]
+    expected = reference.e2m1_encode(torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32))
+    assert helpers("code", bits) == expected.tolist()
 
 
 def test_e2m1_values_match_the_reference(helpers):
