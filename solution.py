@@ -2377,26 +2377,55 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
     atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
 #endif
 }
+// A tile's per-token lookups for add_weighted_rows, a token per lane: lane
+// j of warp w holds token w + warps * j's accumulator row and routing weight
+// (a tile has at most 32 * warps tokens). Loaded before the adds need them:
+// looked up inside the adding loop, each token's two dependent loads were on
+// that loop's path, about 40% of the 144-token wide stage 2's stall samples
+// at d512 (ncu, thirty-third session).
+struct TokenLookup {
+    int acc_row;
+    float weight;
+};
+__device__ __forceinline__ TokenLookup look_up_tokens(const Tile& tile, int warp, int warps, int lane,
+                                                      const int* __restrict__ sorted_tokens,
+                                                      const float* __restrict__ sorted_weights) {
+    const int token = warp + warps * lane;
+    if (token >= tile.rows) return TokenLookup{0, 0.0f};
+    return TokenLookup{sorted_tokens[tile.row_start + token], sorted_weights[tile.row_start + token]};
+}
 // A finished row tile in shared memory (y: the tile's tokens x kRows output
 // columns from col0, kStage2YStride apart), each token's row times its
-// routing weight, added into the accumulator row of its token: a float4 of
-// four columns per item, items first, first + stride, ... (The loop stays
-// rolled: unrolled, the 64-token wide stage 2 spilled at its 96 registers.)
-__device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& tile, int col0, int d_hidden,
-                                                  const int* __restrict__ sorted_tokens,
-                                                  const float* __restrict__ sorted_weights,
-                                                  float* __restrict__ accumulator, int d_hidden_pad, int first,
-                                                  int stride) {
+// routing weight, added into the accumulator row of its token: warp w takes
+// tokens w, w + warps, ..., each lane four columns of each, kBatch tokens
+// at a time.
+template <int kBatch>
+__device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& tile, const TokenLookup& lookup,
+                                                  int col0, int d_hidden, float* __restrict__ accumulator,
+                                                  int d_hidden_pad, int warp, int warps, int lane) {
+    static_assert(kRows == 32 * 4, "a lane per four columns of a row tile");
+    const int col = col0 + lane * 4, tokens = (tile.rows - warp + warps - 1) / warps;
+    const bool in_range = col < d_hidden;
+    float* dst = accumulator + col;
+    const float* src = y + lane * 4;
+    // A batch's reads, then its adds: in one loop ptxas kept each token's
+    // reads behind the previous token's atomic add.
 #pragma unroll 1
-    for (int item = first; item < tile.rows * (kRows / 4); item += stride) {
-        const int token = item / (kRows / 4), quad = item % (kRows / 4);
-        const int col = col0 + quad * 4;
-        if (col >= d_hidden) continue;
-        const int row = tile.row_start + token;
-        const float weight = sorted_weights[row];
-        const float* src = y + token * kStage2YStride + quad * 4;
-        atomic_add_float4(accumulator + (size_t)sorted_tokens[row] * d_hidden_pad + col,
-                          make_float4(weight * src[0], weight * src[1], weight * src[2], weight * src[3]));
+    for (int j0 = 0; j0 < tokens; j0 += kBatch) {
+        int acc_row[kBatch];
+        float weight[kBatch];
+        float4 v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            acc_row[u] = __shfl_sync(0xFFFFFFFFu, lookup.acc_row, j0 + u);
+            weight[u] = __shfl_sync(0xFFFFFFFFu, lookup.weight, j0 + u);
+            if (j0 + u < tokens) v[u] = *reinterpret_cast<const float4*>(src + (warp + warps * (j0 + u)) * kStage2YStride);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+            if (in_range && j0 + u < tokens)
+                atomic_add_float4(dst + (size_t)acc_row[u] * d_hidden_pad, make_float4(weight[u] * v[u].x,
+                                  weight[u] * v[u].y, weight[u] * v[u].z, weight[u] * v[u].w));
     }
 }
 
@@ -2435,6 +2464,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     auto add_tile = [&](float (&acc)[MT][WT][4], int row_tile) {
         float* y = reinterpret_cast<float*>(S::epilogue_buffer(smem, k_blocks, cta_tiles, kStage2Ring<S>));
         const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+        static_assert(S::kTokens <= S::kThreads, "look_up_tokens: a token per lane");
+        const TokenLookup lookup = look_up_tokens(tile, warp, S::kThreads / 32, lane, sorted_tokens, sorted_weights);
         const int first_row = S::first_row(warp), first_token = S::first_token(warp);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -2445,8 +2476,11 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                     y[(first_token + nt * 8 + 2 * t + (i & 1)) * kStage2YStride
                       + first_row + mt * S::kMTileStride + g + (i >> 1) * 8] = acc[mt][nt][i];
         __syncthreads();
-        add_weighted_rows(y, tile, row0 + row_tile * kRows, d_hidden, sorted_tokens, sorted_weights, accumulator,
-                          d_hidden_pad, tid, S::kThreads);
+        // Batches of a warp's tokens, up to 4 (each costs 6 registers).
+        constexpr int kWarps = S::kThreads / 32, kPerWarp = (S::kTokens + kWarps - 1) / kWarps,
+                      kBatch = kPerWarp < 4 ? kPerWarp : 4;
+        add_weighted_rows<kBatch>(y, tile, lookup, row0 + row_tile * kRows, d_hidden, accumulator, d_hidden_pad,
+                                  warp, kWarps, lane);
     };
 
     float acc[MT][WT][4];
@@ -3009,6 +3043,9 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     // last MMAs, C7517).
     for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
         const int2 next_entry = entry_of(min(row_tile + 1, cta_tiles - 1));
+        const Tile tile{entry.x, entry.y, min(kTokens, expert_end - entry.y)};
+        static_assert(kTokens <= W::kConsumerWarps * 32, "look_up_tokens: a token per lane");
+        const TokenLookup lookup = look_up_tokens(tile, warp, W::kConsumerWarps, lane, sorted_tokens, sorted_weights);
         if constexpr (kFolded) {
             FoldedRows rows{};
             uint32_t out_of_window = 0;   // all rows fold (folded_fallback_kernel)
@@ -3034,9 +3071,8 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
             for (int i = 0; i < 4; ++i)
                 y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
         named_barrier_sync(1, W::kConsumerWarps * 32);
-        add_weighted_rows(y, Tile{entry.x, entry.y, min(kTokens, expert_end - entry.y)}, row_of(row_tile),
-                          d_hidden, sorted_tokens, sorted_weights, accumulator, d_hidden_pad, tid,
-                          W::kConsumerWarps * 32);
+        add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, d_hidden_pad, warp,
+                             W::kConsumerWarps, lane);
         entry = next_entry;
         expert_end = expert_offsets[entry.x + 1];
         named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
