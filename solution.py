@@ -2406,25 +2406,27 @@ __device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& ti
     static_assert(kRows == 32 * 4, "a lane per four columns of a row tile");
     const int col = col0 + lane * 4, tokens = (tile.rows - warp + warps - 1) / warps;
     const bool in_range = col < d_hidden;
-    float* dst = accumulator + col;
     const float* src = y + lane * 4;
     // A batch's reads, then its adds: in one loop ptxas kept each token's
-    // reads behind the previous token's atomic add.
+    // reads behind the previous token's atomic add. The adds' indices are
+    // 32-bit (moe_forward checks the accumulator's size): 64-bit ones took
+    // five more instructions per add.
 #pragma unroll 1
     for (int j0 = 0; j0 < tokens; j0 += kBatch) {
-        int acc_row[kBatch];
+        int acc_index[kBatch];   // of the token's row in the accumulator
         float weight[kBatch];
         float4 v[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-            acc_row[u] = __shfl_sync(0xFFFFFFFFu, lookup.acc_row, j0 + u);
+            acc_index[u] = __shfl_sync(0xFFFFFFFFu, lookup.acc_row, j0 + u) * d_hidden_pad;
             weight[u] = __shfl_sync(0xFFFFFFFFu, lookup.weight, j0 + u);
-            if (j0 + u < tokens) v[u] = *reinterpret_cast<const float4*>(src + (warp + warps * (j0 + u)) * kStage2YStride);
+            if (j0 + u < tokens)
+                v[u] = *reinterpret_cast<const float4*>(src + (warp + warps * (j0 + u)) * kStage2YStride);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
             if (in_range && j0 + u < tokens)
-                atomic_add_float4(dst + (size_t)acc_row[u] * d_hidden_pad, make_float4(weight[u] * v[u].x,
+                atomic_add_float4(accumulator + (acc_index[u] + col), make_float4(weight[u] * v[u].x,
                                   weight[u] * v[u].y, weight[u] * v[u].z, weight[u] * v[u].w));
     }
 }
@@ -3832,6 +3834,9 @@ torch::Tensor moe_forward(
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
     const int num_pairs = m * top_k;
+    // Stage 2 addresses the accumulator with 32-bit offsets (TokenLookup).
+    TORCH_CHECK((int64_t)m * d_hidden_pad <= INT32_MAX, "moe_mxfp4: at most ", INT32_MAX / d_hidden_pad,
+                " tokens per call at d_hidden ", d_hidden, ", got ", m);
     const auto int_opts = hidden_states.options().dtype(torch::kInt32);
     const auto float_opts = hidden_states.options().dtype(torch::kFloat32);
     auto out = torch::empty({m, d_hidden}, hidden_states.options());
