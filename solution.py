@@ -3747,11 +3747,12 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
 // at two per SM (64 tokens), CTAs of about stage2_row_tiles' row tiles at
 // the tile count the host expects, as that grid had. Requested row tiles
 // size the grid the second way. Any grid covers every pair the routing
-// gives. (H200.) At bs=128 E=33 this kernel's stage 2 takes 55 us against
+// gives. (H200.) At bs=128 E=33 this kernel's stage 2 took 55 us against
 // the tile-per-CTA kernel's 52 whatever the grid (one wave of even shares,
 // this grid, and CTAs of the old grid's own work units launched tile-major
 // all measured alike), with the first lookup before the barriers' setup,
-// and slower (58) with the pairs listed row-tile-major: not yet explained.
+// and slower (58) with the pairs listed row-tile-major; 51 since its adds
+// take their token lookups from before the MMAs (add_weighted_rows).
 // folded (144 tokens): fold_inter_rows_kernel, the e4m3 kernel over its
 // bytes, then the bf16 one over *c.stage2_redo tiles (none unless a row did
 // not fold: its CTAs then leave at once).
