@@ -3835,7 +3835,7 @@ torch::Tensor moe_forward(
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
     const int num_pairs = m * top_k;
-    // Stage 2 addresses the accumulator with 32-bit offsets (TokenLookup).
+    // Stage 2 adds into the accumulator at 32-bit offsets (add_weighted_rows).
     TORCH_CHECK((int64_t)m * d_hidden_pad <= INT32_MAX, "moe_mxfp4: at most ", INT32_MAX / d_hidden_pad,
                 " tokens per call at d_hidden ", d_hidden, ", got ", m);
     const auto int_opts = hidden_states.options().dtype(torch::kInt32);
