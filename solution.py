@@ -3947,6 +3947,8 @@ torch::Tensor moe_forward(
 CACHE_DIR_ENV = "MOE_MXFP4_CACHE_DIR"   # overrides the kernel cache directory
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 MAX_EXPERTS = int(re.search(r"kMaxExperts = (\d+);", COMMON_SOURCE).group(1))
+# Stage 2 indexes its fp32 accumulator (tokens x d_hidden_pad) in 32 bits.
+MAX_ACCUMULATOR_ELEMENTS = 2 ** 31 - 1
 
 
 def _cuda_arch(capability) -> Optional[str]:
@@ -4194,6 +4196,12 @@ def _moe_forward_args(data: input_t, kernel_config: Optional[KernelConfig] = Non
     """moe_forward's arguments for an input (see _run_kernels)."""
     (hidden_states, gate_up_weight, down_weight, gate_up_scale, down_scale,
      _, _, _, _, topk_weights, topk_ids, config) = data
+    # Checked here as well as in moe_forward: an exception thrown inside the
+    # extension has crashed the process on the H200 (README, Known limits).
+    most_tokens = MAX_ACCUMULATOR_ELEMENTS // down_weight.shape[1]
+    if hidden_states.shape[0] > most_tokens:
+        raise ValueError(f"hidden_states: the CUDA kernels take at most {most_tokens} tokens per call at "
+                         f"d_hidden_pad {down_weight.shape[1]}, got {hidden_states.shape[0]}; split the call")
     if kernel_config is None:
         kernel_config = choose_config(hidden_states.shape[0], topk_ids.shape[1], gate_up_weight.shape[0],
                                       config["d_expert"], _has_wgmma(hidden_states.device.index))

@@ -56,6 +56,22 @@ def test_zero_tokens_give_empty_output():
     assert out.shape == (0, 512) and out.dtype == torch.bfloat16
 
 
+def test_cuda_arguments_refuse_more_tokens_than_the_accumulator_indices_hold():
+    """The CUDA path's arguments are checked in Python before the extension
+    sees them (stage 2's 32-bit accumulator offsets; README): one token past
+    the limit raises, the limit itself does not (meta tensors, no memory)."""
+    data = small_input()
+    most = (2 ** 31 - 1) // 512
+    for tokens, raises in ((most + 1, True), (most, False)):
+        meta = with_replaced(data, 0, torch.empty(tokens, 512, dtype=torch.bfloat16, device="meta"))
+        if raises:
+            with pytest.raises(ValueError, match=f"at most {most} tokens per call at d_hidden_pad 512, got {most + 1}"):
+                solution._moe_forward_args(meta, solution.KernelConfig(8, 16, 8, 8, 4, False))
+        else:
+            args = solution._moe_forward_args(meta, solution.KernelConfig(8, 16, 8, 8, 4, False))
+            assert args[0].shape[0] == most
+
+
 def test_three_dimensional_scales_are_accepted():
     data = small_input(seed=5)
     e = data[1].shape[0]
@@ -608,6 +624,18 @@ def test_repeated_calls_agree():
     for _ in range(5):
         again = solution.custom_kernel(data).float()
         assert ((again - first).abs() <= first.abs() * 2.0 ** -7 + 1e-30).all()
+
+
+@needs_cuda
+def test_custom_kernel_refuses_more_tokens_than_the_accumulator_indices_hold():
+    data = reference.generate_input(7168, 256, 8, 2, 1, 8, 15)
+    tokens = (2 ** 31 - 1) // 7168 + 1
+    data = with_replaced(data, 0, torch.empty(tokens, 7168, dtype=torch.bfloat16, device="cuda"))
+    data = with_replaced(data, 9, torch.zeros(tokens, data[9].shape[1], device="cuda"))
+    data = with_replaced(data, 10, torch.zeros(tokens, data[10].shape[1], dtype=torch.int32, device="cuda"))
+    data = with_replaced(data, 11, {**data[11], "bs": tokens})
+    with pytest.raises(ValueError, match=f"at most {tokens - 1} tokens per call at d_hidden_pad 7168, got {tokens}"):
+        solution.custom_kernel(data)
 
 
 @needs_cuda
