@@ -886,6 +886,9 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
 // Shared memory written through the generic proxy (cp.async) and read next by
 // the tensor cores (async proxy) needs this fence in each writing thread.
 __device__ __forceinline__ void fence_async_shared() {
@@ -2377,30 +2380,61 @@ __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
     atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
 #endif
 }
-// A tile's per-token lookups for add_weighted_rows, a token per lane: lane
-// j of warp w holds token w + warps * j's accumulator row and routing weight
-// (a tile has at most 32 * warps tokens). Loaded before the adds need them:
-// looked up inside the adding loop, each token's two dependent loads were on
-// that loop's path, about 40% of the 144-token wide stage 2's stall samples
-// at d512 (ncu, thirty-third session).
+// A tile's per-token lookups for add_weighted_rows, kSlots tokens per lane:
+// slot s of lane l of warp w holds token w + warps * (l + 32 s)'s
+// accumulator row and routing weight (a tile has at most 32 * kSlots *
+// warps tokens). Loaded before the adds need them: looked up inside the
+// adding loop, each token's two dependent loads were on that loop's path,
+// about 40% of the 144-token wide stage 2's stall samples at d512 (ncu,
+// thirty-third session).
+template <int kSlots>
 struct TokenLookup {
-    int acc_row;
-    float weight;
+    int acc_row[kSlots];
+    float weight[kSlots];
+    // The warp's j-th token's (j warp-uniform), from the lane that holds it.
+    __device__ __forceinline__ int acc_row_of(int j) const {
+        int row = __shfl_sync(0xFFFFFFFFu, acc_row[0], j);   // lane j % 32
+#pragma unroll
+        for (int s = 1; s < kSlots; ++s) {
+            const int other = __shfl_sync(0xFFFFFFFFu, acc_row[s], j);
+            if (j >= 32 * s) row = other;
+        }
+        return row;
+    }
+    __device__ __forceinline__ float weight_of(int j) const {
+        float w = __shfl_sync(0xFFFFFFFFu, weight[0], j);
+#pragma unroll
+        for (int s = 1; s < kSlots; ++s) {
+            const float other = __shfl_sync(0xFFFFFFFFu, weight[s], j);
+            if (j >= 32 * s) w = other;
+        }
+        return w;
+    }
 };
-__device__ __forceinline__ TokenLookup look_up_tokens(const Tile& tile, int warp, int warps, int lane,
-                                                      const int* __restrict__ sorted_tokens,
-                                                      const float* __restrict__ sorted_weights) {
-    const int token = warp + warps * lane;
-    if (token >= tile.rows) return TokenLookup{0, 0.0f};
-    return TokenLookup{sorted_tokens[tile.row_start + token], sorted_weights[tile.row_start + token]};
+template <int kSlots>
+__device__ __forceinline__ TokenLookup<kSlots> look_up_tokens(const Tile& tile, int warp, int warps, int lane,
+                                                              const int* __restrict__ sorted_tokens,
+                                                              const float* __restrict__ sorted_weights) {
+    TokenLookup<kSlots> lookup;
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+        const int token = warp + warps * (lane + 32 * s);
+        lookup.acc_row[s] = 0;
+        lookup.weight[s] = 0.0f;
+        if (token < tile.rows) {
+            lookup.acc_row[s] = sorted_tokens[tile.row_start + token];
+            lookup.weight[s] = sorted_weights[tile.row_start + token];
+        }
+    }
+    return lookup;
 }
 // A finished row tile in shared memory (y: the tile's tokens x kRows output
 // columns from col0, kStage2YStride apart), each token's row times its
 // routing weight, added into the accumulator row of its token: warp w takes
 // tokens w, w + warps, ..., each lane four columns of each, kBatch tokens
 // at a time.
-template <int kBatch>
-__device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& tile, const TokenLookup& lookup,
+template <int kBatch, int kSlots>
+__device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& tile, const TokenLookup<kSlots>& lookup,
                                                   int col0, int d_hidden, float* __restrict__ accumulator,
                                                   int d_hidden_pad, int warp, int warps, int lane) {
     static_assert(kRows == 32 * 4, "a lane per four columns of a row tile");
@@ -2418,8 +2452,8 @@ __device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& ti
         float4 v[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-            acc_index[u] = __shfl_sync(0xFFFFFFFFu, lookup.acc_row, j0 + u) * d_hidden_pad;
-            weight[u] = __shfl_sync(0xFFFFFFFFu, lookup.weight, j0 + u);
+            acc_index[u] = lookup.acc_row_of(j0 + u) * d_hidden_pad;
+            weight[u] = lookup.weight_of(j0 + u);
             if (j0 + u < tokens)
                 v[u] = *reinterpret_cast<const float4*>(src + (warp + warps * (j0 + u)) * kStage2YStride);
         }
@@ -2467,7 +2501,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         float* y = reinterpret_cast<float*>(S::epilogue_buffer(smem, k_blocks, cta_tiles, kStage2Ring<S>));
         const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
         static_assert(S::kTokens <= S::kThreads, "look_up_tokens: a token per lane");
-        const TokenLookup lookup = look_up_tokens(tile, warp, S::kThreads / 32, lane, sorted_tokens, sorted_weights);
+        const TokenLookup<1> lookup = look_up_tokens<1>(tile, warp, S::kThreads / 32, lane, sorted_tokens,
+                                                        sorted_weights);
         const int first_row = S::first_row(warp), first_token = S::first_token(warp);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -2628,7 +2663,17 @@ struct WideLayout : WideTraits<kTokens_> {
 template <int kTokens>
 struct WideStage2 : WideLayout<kTokens> {
     using L = WideLayout<kTokens>;
-    static constexpr int kRing = 3, kThreads = (L::kConsumerWarps + 1) * 32;
+    static constexpr int kRing = 3;
+    // Warps that add finished row tiles into the accumulator while the
+    // consumers multiply the next: in the folded (e4m3) 144-token kernel.
+    // At 64 tokens two CTAs per SM leave no registers for them, and in the
+    // bf16 144-token kernel (a fallback) their threads' share of the
+    // register file made ptxas serialise its MMAs (C7512); there the
+    // consumers add.
+    static constexpr __host__ __device__ int epilogue_warps(bool folded) { return kTokens == 144 && folded ? 4 : 0; }
+    static constexpr __host__ __device__ int threads(bool folded) {
+        return (L::kConsumerWarps + 1 + epilogue_warps(folded)) * 32;
+    }
     static constexpr int kEpilogueBytes = kTokens * kStage2YStride * (int)sizeof(float);
     // Dynamic shared memory is 16-byte aligned; the stages need 1024.
     static constexpr int kSharedBytes = kRing * L::kStageBytes + kEpilogueBytes + 1024 - 16;
@@ -2936,9 +2981,12 @@ __global__ void __launch_bounds__(kFoldInterThreads) fold_inter_rows_kernel(
 // *stage2_redo to the tile count and leaves, and the bf16 kernel launched
 // next over *stage2_redo tiles does all of stage 2 (no CTA may add partial
 // sums first: the adds are atomic and final). Otherwise that kernel's CTAs
-// leave at once.
+// leave at once. The folded kernel also has epilogue warps
+// (WideStage2::epilogue_warps): the consumers leave each row tile in y and
+// go on to the next while those warps add it into the accumulator.
 template <int kTokens, bool kFolded>
-__global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm) stage2_wide_kernel(
+__global__ void __launch_bounds__(WideStage2<kTokens>::threads(kFolded), WideTraits<kTokens>::kCtasPerSm)
+stage2_wide_kernel(
         const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
         const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
@@ -2979,6 +3027,13 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
     const int k_blocks = (d_expert + kScaleBlock - 1) / kScaleBlock;
     const int tile_stages = (k_blocks + SB - 1) / SB;
     const int n_stages = tile_stages * cta_tiles;
+    // y's hand-over between the consumers and the epilogue warps: named
+    // barriers, each completed by the consumers' and the epilogue warps'
+    // threads together (one side arrives, the other waits). A barrier's
+    // completion orders each arriving thread's earlier shared-memory
+    // accesses before the waiting threads' later ones.
+    constexpr int kEpilogueWarps = W::epilogue_warps(kFolded);
+    constexpr int kYFull = 2, kYFree = 3, kYThreads = (W::kConsumerWarps + kEpilogueWarps) * 32;
     if (tid == 0)
         for (int j = 0; j < kRing; ++j) {
             mbarrier_init(&full[j], 1 + 32);   // the TMA thread's arrival and bytes, each lane's scale copies
@@ -3027,6 +3082,23 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
         }
         return;
     }
+    if constexpr (kEpilogueWarps > 0)
+        if (warp > W::kConsumerWarps) {   // the adds, a row tile behind the consumers
+            const int epilogue_warp = warp - W::kConsumerWarps - 1;
+            constexpr int kSlots = (kTokens + 32 * kEpilogueWarps - 1) / (32 * kEpilogueWarps);
+            for (int row_tile = 0; row_tile < cta_tiles; ++row_tile) {
+                const int2 entry = entry_of(row_tile);
+                const Tile tile{entry.x, entry.y, min(kTokens, expert_offsets[entry.x + 1] - entry.y)};
+                const TokenLookup<kSlots> lookup = look_up_tokens<kSlots>(tile, epilogue_warp, kEpilogueWarps, lane,
+                                                                          sorted_tokens, sorted_weights);
+                named_barrier_sync(kYFull, kYThreads);
+                add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, d_hidden_pad,
+                                     epilogue_warp, kEpilogueWarps, lane);
+                // The consumers wait for this only before their next row tile's y.
+                if (row_tile + 1 < cta_tiles) named_barrier_arrive(kYFree, kYThreads);
+            }
+            return;
+        }
 
     // Warp w: rows 16w..16w+15 (warpgroup w/4: rows 64(w/4)..+63).
     const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
@@ -3049,7 +3121,9 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
         const int2 next_entry = entry_of(min(row_tile + 1, cta_tiles - 1));
         const Tile tile{entry.x, entry.y, min(kTokens, expert_end - entry.y)};
         static_assert(kTokens <= W::kConsumerWarps * 32, "look_up_tokens: a token per lane");
-        const TokenLookup lookup = look_up_tokens(tile, warp, W::kConsumerWarps, lane, sorted_tokens, sorted_weights);
+        TokenLookup<1> lookup{};
+        if constexpr (kEpilogueWarps == 0)
+            lookup = look_up_tokens<1>(tile, warp, W::kConsumerWarps, lane, sorted_tokens, sorted_weights);
         if constexpr (kFolded) {
             FoldedRows rows{};
             uint32_t out_of_window = 0;   // all rows fold (folded_fallback_kernel)
@@ -3068,18 +3142,24 @@ __global__ void __launch_bounds__(WideStage2<kTokens>::kThreads, WideTraits<kTok
                                                    lane_offsets);
             wgmma_wait<0>();
         }
-        // The row tile done: add it into the accumulator.
+        // The row tile done: into y, and from there into the accumulator.
+        if constexpr (kEpilogueWarps > 0)
+            if (row_tile > 0) named_barrier_sync(kYFree, kYThreads);   // the previous row tile's adds read y
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 y[(nt * 8 + 2 * t + (i & 1)) * kStage2YStride + first_row + g + (i >> 1) * 8] = acc[nt][i];
-        named_barrier_sync(1, W::kConsumerWarps * 32);
-        add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, d_hidden_pad, warp,
-                             W::kConsumerWarps, lane);
-        entry = next_entry;
-        expert_end = expert_offsets[entry.x + 1];
-        named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
+        if constexpr (kEpilogueWarps > 0) {
+            named_barrier_arrive(kYFull, kYThreads);
+        } else {
+            named_barrier_sync(1, W::kConsumerWarps * 32);
+            add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, d_hidden_pad, warp,
+                                 W::kConsumerWarps, lane);
+            entry = next_entry;
+            expert_end = expert_offsets[entry.x + 1];
+            named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
+        }
     }
 }
 
@@ -3764,14 +3844,15 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
     const auto stage2 = stage2_wide_kernel<kTokens, false>;
     allow_shared_memory(stage2, W::kSharedBytes);
     long long ctas = sm_count();
-    if (ctas_per_sm(stage2, W::kThreads, W::kSharedBytes) > 1 || c.requested_row_tiles > 0) {
+    if (ctas_per_sm(stage2, W::threads(false), W::kSharedBytes) > 1 || c.requested_row_tiles > 0) {
         const int grid_rows = c.grid_rows();
         const int row_tiles = c.requested_row_tiles > 0 ? c.requested_row_tiles
-            : stage2_row_tiles(stage2, W::kThreads, [](int) { return W::kSharedBytes; }, t.estimate, grid_rows);
+            : stage2_row_tiles(stage2, W::threads(false), [](int) { return W::kSharedBytes; }, t.estimate,
+                               grid_rows);
         ctas = ((long long)std::max(t.estimate, 1) * grid_rows + row_tiles - 1) / row_tiles;
     }
-    auto launch = [&](auto kernel, const float* weights, const int* num_tiles, const TensorMap& acts) {
-        launch_after_previous(kernel, dim3((unsigned)ctas), W::kThreads, W::kSharedBytes, c.stream,
+    auto launch = [&](auto kernel, int threads, const float* weights, const int* num_tiles, const TensorMap& acts) {
+        launch_after_previous(kernel, dim3((unsigned)ctas), threads, W::kSharedBytes, c.stream,
             c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, weights, c.expert_offsets, t.tiles, num_tiles,
             c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(), c.stage2_redo,
             down_map(c, W::kStageBlocks), acts);
@@ -3780,20 +3861,20 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
         if (folded) {
             const auto stage2_folded = stage2_wide_kernel<kTokens, true>;
             allow_shared_memory(stage2_folded, W::kSharedBytes);
-            TORCH_CHECK(ctas_per_sm(stage2_folded, W::kThreads, W::kSharedBytes) == 1,
+            TORCH_CHECK(ctas_per_sm(stage2_folded, W::threads(true), W::kSharedBytes) == 1,
                         "moe_mxfp4: the folded wide stage 2 must fit one CTA per SM");
             launch_after_previous(fold_inter_rows_kernel, dim3((unsigned)std::max(1, (c.num_pairs + 7) / 8)),
                                   kFoldInterThreads, 0, c.stream, c.inter.bytes(), c.num_pairs, c.d_expert_pad,
                                   c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights,
                                   c.stage2_redo);
-            launch(stage2_folded, c.folded_weights, t.count,
+            launch(stage2_folded, W::threads(true), c.folded_weights, t.count,
                    tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128,
                               kTokens));
-            launch(stage2, c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));
+            launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));
             return;
         }
     }
-    launch(stage2, c.sorted_weights, t.count, inter_map(c, kTokens));
+    launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens));
 }
 
 }  // namespace moe
