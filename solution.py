@@ -2619,8 +2619,9 @@ namespace moe {
 // stage 1's are kCtasPerSm1, with a kRing1-slot ring and kProducerWarps1
 // loading warps). 144 tokens (72 accumulators per thread, 45 KB stages):
 // one CTA per SM in both stages, a 4-slot ring in stage 1. 64 tokens: stage
-// 2 at two CTAs per SM, to hide the latency one CTA's eight compute warps
-// leave, in 96 registers a thread and half the shared memory; stage 1 (the
+// 2 at one CTA per SM with a 6-slot ring and epilogue warps (it ran at two
+// CTAs per SM, to hide the latency one CTA's eight compute warps leave,
+// until the adds moved to warps of their own); stage 1 (the
 // folded e4m3 form only) at one CTA per SM with a 6-slot ring of 25 KB
 // stages. At bs=128 E=33 (H200, 2026-12-02) that stage 1 took 0.978 of the
 // call of the plain 64-token bf16 stage 1; with a 4-slot ring 0.997, and at
@@ -2640,7 +2641,7 @@ template <> struct WideTraits<144> {
     static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 4, kProducerWarps1 = 4;
 };
 template <> struct WideTraits<64> {
-    static constexpr int kCtasPerSm = 2, kCtasPerSm1 = 1, kRing1 = 6, kProducerWarps1 = 4;
+    static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 6, kProducerWarps1 = 4;
 };
 // A wide tile's pipeline stage (both stages' wide kernels): 4 scale blocks
 // of K for kRows weight rows and kTokens tokens.
@@ -2663,14 +2664,15 @@ struct WideLayout : WideTraits<kTokens_> {
 template <int kTokens>
 struct WideStage2 : WideLayout<kTokens> {
     using L = WideLayout<kTokens>;
-    static constexpr int kRing = 3;
+    static constexpr int kRing = kTokens == 64 ? 6 : 3;
     // Warps that add finished row tiles into the accumulator while the
-    // consumers multiply the next: in the folded (e4m3) 144-token kernel.
-    // At 64 tokens two CTAs per SM leave no registers for them, and in the
-    // bf16 144-token kernel (a fallback) their threads' share of the
-    // register file made ptxas serialise its MMAs (C7512); there the
-    // consumers add.
-    static constexpr __host__ __device__ int epilogue_warps(bool folded) { return kTokens == 144 && folded ? 4 : 0; }
+    // consumers multiply the next: in the folded (e4m3) 144-token kernel
+    // and the 64-token one. In the bf16 144-token kernel (a fallback) their
+    // threads' share of the register file made ptxas serialise its MMAs
+    // (C7512); there the consumers add.
+    static constexpr __host__ __device__ int epilogue_warps(bool folded) {
+        return kTokens == 144 && !folded ? 0 : 4;
+    }
     static constexpr __host__ __device__ int threads(bool folded) {
         return (L::kConsumerWarps + 1 + epilogue_warps(folded)) * 32;
     }
@@ -3820,12 +3822,13 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     launch_swiglu_quantize<false>(c, slices);
 }
 
-// The grid: at one CTA per SM (144 tokens), one CTA per SM, so that one wave
-// streams every (tile, row tile) pair (the grid of a CTA per tile and group
-// of 8 row tiles was 266 CTAs on 132 SMs at bs=512 E=33, two waves and a
-// tail of two: its stage 2 took 368 us against this one's 316 at d2048);
-// at two per SM (64 tokens), CTAs of about stage2_row_tiles' row tiles at
-// the tile count the host expects, as that grid had. Requested row tiles
+// The grid: at one CTA per SM (both widths), one CTA per SM, so that one
+// wave streams every (tile, row tile) pair (the grid of a CTA per tile and
+// group of 8 row tiles was 266 CTAs on 132 SMs at bs=512 E=33, two waves and
+// a tail of two: its stage 2 took 368 us against this one's 316 at d2048);
+// at two per SM (64 tokens until the epilogue warps), CTAs of about
+// stage2_row_tiles' row tiles at the tile count the host expects, as that
+// grid had. Requested row tiles
 // size the grid the second way. Any grid covers every pair the routing
 // gives. (H200.) At bs=128 E=33 this kernel's stage 2 took 55 us against
 // the tile-per-CTA kernel's 52 whatever the grid (one wave of even shares,
