@@ -4030,6 +4030,12 @@ torch::Tensor moe_forward(
 # ===========================================================================
 CACHE_DIR_ENV = "MOE_MXFP4_CACHE_DIR"   # overrides the kernel cache directory
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
+# Link the shared libstdc++, the one torch uses. On the H200 machine the
+# compiler torch builds with (/opt/gcc) put a private copy of libstdc++'s
+# exception runtime into every extension (nm: __cxa_* defined, no libstdc++
+# in NEEDED), and a TORCH_CHECK thrown inside moe_forward then ended the
+# process with a segmentation fault instead of a RuntimeError (2026-12-03).
+LINK_FLAGS = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 MAX_EXPERTS = int(re.search(r"kMaxExperts = (\d+);", COMMON_SOURCE).group(1))
 # Stage 2 indexes its fp32 accumulator (tokens x d_hidden_pad) in 32 bits.
 MAX_ACCUMULATOR_ELEMENTS = 2 ** 31 - 1
@@ -4077,7 +4083,7 @@ def _load_extension(name: str, arch: str, build_dir: str):
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
         return load_inline(name=name, cpp_sources=HOST_DECLARATION, cuda_sources=KERNEL_SOURCE + HOST_SOURCE,
-                           functions=["moe_forward"], extra_cuda_cflags=NVCC_FLAGS,
+                           functions=["moe_forward"], extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS,
                            build_directory=build_dir, verbose=False)
     finally:
         if previous_arch is None:
@@ -4088,8 +4094,8 @@ def _load_extension(name: str, arch: str, build_dir: str):
 
 def _build_location(arch: str):
     """(build directory, module name) for `arch`, keyed by everything that changes the binary."""
-    key = hashlib.sha256("\0".join([KERNEL_SOURCE, HOST_SOURCE, HOST_DECLARATION, " ".join(NVCC_FLAGS), arch,
-                                    torch.__version__, str(torch.version.cuda)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([KERNEL_SOURCE, HOST_SOURCE, HOST_DECLARATION, " ".join(NVCC_FLAGS + LINK_FLAGS),
+                                    arch, torch.__version__, str(torch.version.cuda)]).encode()).hexdigest()[:16]
     return _writable_dir(os.path.join(_cache_root(), key)), f"moe_mxfp4_{key}"
 
 

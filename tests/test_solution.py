@@ -639,6 +639,25 @@ def test_custom_kernel_refuses_more_tokens_than_the_accumulator_indices_hold():
 
 
 @needs_cuda
+def test_a_check_inside_the_extension_raises_runtime_error():
+    """A check inside moe_forward (a config with no kernels built) raises
+    RuntimeError with its message. In a child process: on the H200 machine
+    a TORCH_CHECK thrown there ended the process with a segmentation fault
+    (2026-12-03), which would take pytest down with it."""
+    script = ("import torch, solution, reference\n"
+              "data = reference.generate_input(512, 256, 8, 2, 1, 8, 1)\n"
+              "module = solution._backend(torch.device('cuda'))[1]\n"
+              "try:\n"
+              "    solution._run_kernels(module, data, solution.KernelConfig(8, 16, 8, 8, 5, True, True, 32))\n"
+              "except RuntimeError as error:\n"
+              "    print('raised:', error)\n")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                           cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-2000:]
+    assert "raised: moe_mxfp4: no kernels built for tile_tokens=8, warp_rows=16" in child.stdout, child.stdout
+
+
+@needs_cuda
 def test_out_of_range_expert_id_poisons_output():
     data = reference.generate_input(512, 256, 8, 2, 1, 9, 12)
     ids = data[10].clone()
