@@ -188,6 +188,19 @@ VARIANTS = {
         "an accumulator not zeroed); against no_qa, what launching the Qa grid costs",
         [(("route_and_quantize<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns),",
            "route_and_quantize<<<dim3(1, 1),"),)]),
+    "no_convert": (
+        "the output conversion (convert_output_kernel, fp32 accumulator to bf16) not launched: the output "
+        "is left unwritten; bounds what adding the conversion into stage 2's last adds could gain",
+        [(("    launch_after_previous(convert_output_kernel,",
+           "    if (d_hidden < 0) launch_after_previous(convert_output_kernel,"),)]),
+    "plain_s2_no_adds": (
+        "the plain stage 2 (stage2_kernel) adds nothing into the accumulator: each row tile still goes "
+        "through y and the CTA barrier, its weighted adds (28% of the kernel's stall samples at bs=512 "
+        "E=257) are skipped",
+        [(("        add_weighted_rows<kBatch>(y, tile, lookup, row0 + row_tile * kRows, d_hidden, accumulator, "
+           "d_hidden_pad,",
+           "        if (d_hidden < 0) add_weighted_rows<kBatch>(y, tile, lookup, row0 + row_tile * kRows, d_hidden, "
+           "accumulator, d_hidden_pad,"),)]),
     "plain_no_act_copy": (
         "gemm_mainloop copies no activations by cp.async (the plain and e4m3 configs' stage 1, and their "
         "stage 2 where it does not load them by TMA; the consumers read stale shared memory)",
