@@ -744,6 +744,22 @@ def test_gpu_older_than_tested_warns_and_falls_back():
         assert solution._cuda_backend((8, 0)) == ("torch", None)
 
 
+def test_the_extension_links_the_shared_libstdcxx(monkeypatch, tmp_path):
+    """load_inline gets LINK_FLAGS and the cache key covers them: on the H200
+    machine an extension built without them carried a private copy of the
+    C++ runtime, and a TORCH_CHECK inside it crashed the process."""
+    import torch.utils.cpp_extension as cpp_extension
+    monkeypatch.setenv(solution.CACHE_DIR_ENV, str(tmp_path))
+    seen = {}
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda **kwargs: seen.update(kwargs) or "module")
+    assert solution._load_extension("name", "9.0a", str(tmp_path)) == "module"
+    assert seen["extra_ldflags"] == solution.LINK_FLAGS
+    assert ("-l:libstdc++.so.6" in solution.LINK_FLAGS) == sys.platform.startswith("linux")
+    key = solution._build_location("9.0a")[1]
+    monkeypatch.setattr(solution, "LINK_FLAGS", ["-lother"])
+    assert solution._build_location("9.0a")[1] != key
+
+
 def test_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(solution.CACHE_DIR_ENV, str(tmp_path))
     build_dir, name = solution._build_location("9.0a")
