@@ -4286,8 +4286,9 @@ def _moe_forward_args(data: input_t, kernel_config: Optional[KernelConfig] = Non
     """moe_forward's arguments for an input (see _run_kernels)."""
     (hidden_states, gate_up_weight, down_weight, gate_up_scale, down_scale,
      _, _, _, _, topk_weights, topk_ids, config) = data
-    # Checked here as well as in moe_forward: an exception thrown inside the
-    # extension has crashed the process on the H200 (README, Known limits).
+    # Checked here as well as in moe_forward, so that a call too large for
+    # the kernels' 32-bit accumulator offsets is a ValueError, like every
+    # other mistake a caller can make, before anything is allocated.
     most_tokens = MAX_ACCUMULATOR_ELEMENTS // down_weight.shape[1]
     if hidden_states.shape[0] > most_tokens:
         raise ValueError(f"hidden_states: the CUDA kernels take at most {most_tokens} tokens per call at "
