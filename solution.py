@@ -2392,23 +2392,17 @@ struct TokenLookup {
     int acc_row[kSlots];
     float weight[kSlots];
     // The warp's j-th token's (j warp-uniform), from the lane that holds it.
-    __device__ __forceinline__ int acc_row_of(int j) const {
-        int row = __shfl_sync(0xFFFFFFFFu, acc_row[0], j);   // lane j % 32
+    __device__ __forceinline__ int acc_row_of(int j) const { return slot_of(acc_row, j); }
+    __device__ __forceinline__ float weight_of(int j) const { return slot_of(weight, j); }
+    template <typename T>
+    static __device__ __forceinline__ T slot_of(const T (&slots)[kSlots], int j) {
+        T value = __shfl_sync(0xFFFFFFFFu, slots[0], j);   // lane j % 32
 #pragma unroll
         for (int s = 1; s < kSlots; ++s) {
-            const int other = __shfl_sync(0xFFFFFFFFu, acc_row[s], j);
-            if (j >= 32 * s) row = other;
+            const T other = __shfl_sync(0xFFFFFFFFu, slots[s], j);
+            if (j >= 32 * s) value = other;
         }
-        return row;
-    }
-    __device__ __forceinline__ float weight_of(int j) const {
-        float w = __shfl_sync(0xFFFFFFFFu, weight[0], j);
-#pragma unroll
-        for (int s = 1; s < kSlots; ++s) {
-            const float other = __shfl_sync(0xFFFFFFFFu, weight[s], j);
-            if (j >= 32 * s) w = other;
-        }
-        return w;
+        return value;
     }
 };
 template <int kSlots>
@@ -3114,6 +3108,8 @@ stage2_wide_kernel(
     // before the row tile's MMAs, its expert's end after the previous
     // epilogue, so that these two dependent loads are not on each row tile's
     // critical path (stage 2 at bs=512 E=33 d2048: 316 us against 320).
+    // Only where the consumers add (no epilogue warps, which look their
+    // tiles up themselves); elsewhere ptxas drops them.
     int2 entry = entry_of(0);
     int expert_end = expert_offsets[entry.x + 1];
     // Row tiles, each its stages and then its epilogue (one loop over all
@@ -3822,14 +3818,14 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     launch_swiglu_quantize<false>(c, slices);
 }
 
-// The grid: at one CTA per SM (both widths), one CTA per SM, so that one
-// wave streams every (tile, row tile) pair (the grid of a CTA per tile and
-// group of 8 row tiles was 266 CTAs on 132 SMs at bs=512 E=33, two waves and
-// a tail of two: its stage 2 took 368 us against this one's 316 at d2048);
-// at two per SM (64 tokens until the epilogue warps), CTAs of about
-// stage2_row_tiles' row tiles at the tile count the host expects, as that
-// grid had. Requested row tiles
-// size the grid the second way. Any grid covers every pair the routing
+// The grid: at one CTA per SM (both widths on the H200), one CTA per SM, so
+// that one wave streams every (tile, row tile) pair (the grid of a CTA per
+// tile and group of 8 row tiles was 266 CTAs on 132 SMs at bs=512 E=33, two
+// waves and a tail of two: its stage 2 took 368 us against this one's 316 at
+// d2048); at more per SM (the 64-token kernel before its epilogue warps),
+// CTAs of about stage2_row_tiles' row tiles at the tile count the host
+// expects, as that grid had. Requested row tiles size the grid the second
+// way. Any grid covers every pair the routing
 // gives. (H200.) At bs=128 E=33 this kernel's stage 2 took 55 us against
 // the tile-per-CTA kernel's 52 whatever the grid (one wave of even shares,
 // this grid, and CTAs of the old grid's own work units launched tile-major
