@@ -2,7 +2,7 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|official|profile|host|sweep|ab|ncu|stalls|selfbench|bench|robust|multibuild|sanitize|all]...
+#   tools/device_check.sh [tests|official|profile|host|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
 #   (default: all)
 #   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
 #    host = each benchmark shape's host us per call, split into the input check and the launching
@@ -20,6 +20,8 @@
 #    stalls = ncu's warp-stall samples per SASS instruction of stage 1 (or of the
 #    kernels matching the regex $STALLS_KERNEL) on the first shape in $NCU_SHAPES,
 #    as $OUT/stalls.csv (neither is part of "all");
+#    mma = tools/wgmma_chain.py: cycles per step of a warpgroup's e4m3 MMA chain in several
+#    orders, apart from the kernels (not part of "all");
 #    robust = multibuild + sanitize: four processes building at once on an empty cache
 #    (multibuild, about 80 s), then compute-sanitizer memcheck and racecheck over the
 #    official test shapes and the benchmark shapes in $SANITIZE_SHAPES (sanitize; indices
@@ -177,6 +179,10 @@ if asked stalls; then
   ncu -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass >"$OUT/stalls.csv" 2>>"$OUT/stalls.log" || status=1
   rm -f "$OUT/stalls.ncu-rep"
   tail -3 "$OUT/stalls.log"; wc -l "$OUT/stalls.csv"
+fi
+if asked mma; then
+  step "e4m3 MMA chains (tools/wgmma_chain.py)"
+  python3 tools/wgmma_chain.py 2>&1 | tee "$OUT/wgmma_chain.log" || status=1
 fi
 if want robust || asked multibuild; then
   step "four processes importing at once on an empty cache"

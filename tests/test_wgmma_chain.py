@@ -1,0 +1,47 @@
+"""tools/wgmma_chain.py: its kernels build for sm_90a and issue the MMAs each
+order names (no GPU needed); on an sm_90 GPU, the tool runs."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import wgmma_chain  # noqa: E402
+
+# QGMMA instructions in each mode's loop body, per step, and their shape.
+EXPECTED_SHAPE = {0: "64x{n}x32", 1: "64x{n}x32", 2: "64x{n}x32", 3: "64x{h}x32", 4: "64x{n}x32"}
+
+
+def test_every_mode_builds_for_sm90a_and_issues_its_mmas(tmp_path):
+    if shutil.which("nvcc") is None or shutil.which("cuobjdump") is None:
+        pytest.skip("nvcc or cuobjdump not on PATH")
+    source = tmp_path / "chain.cu"
+    source.write_text(wgmma_chain.KERNEL_SOURCE + "".join(
+        f"template void launch<{n}, {m}>(int, int, long long*, float*, cudaStream_t);\n"
+        for n in wgmma_chain.TOKENS for m in range(len(wgmma_chain.MODES))))
+    build = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                            "-Xptxas", "-v", "-o", str(tmp_path / "chain.o"), str(source)],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout + build.stderr
+    assert "C75" not in build.stderr, build.stderr   # ptxas serialising the MMAs would void the timing
+    sass = subprocess.run(["cuobjdump", "-sass", str(tmp_path / "chain.o")], capture_output=True, text=True,
+                          check=True).stdout
+    for function in re.split(r"Function : ", sass)[1:]:
+        n, mode = map(int, re.match(r"_Z12chain_kernelILi(\d+)ELi(\d)E", function).groups())
+        shapes = set(re.findall(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3", function))
+        assert shapes == {EXPECTED_SHAPE[mode].format(n=n, h=n // 2)}, (n, mode, shapes)
+
+
+def test_the_tool_runs_on_sm90():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(wgmma_chain.__file__), "wgmma_chain.py"),
+                          "--steps", "64", "--tokens", "64"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line.split() for line in run.stdout.splitlines()[1:]]
+    assert [row[1] for row in rows] == list(wgmma_chain.MODES)
+    assert all(float(row[2]) > 0 for row in rows)
