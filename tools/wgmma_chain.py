@@ -1,7 +1,7 @@
 """How fast a warpgroup's chain of e4m3 MMAs runs, apart from everything
 else the wide kernels do: the question behind the folded wide stage 1's
 unit-stage (4 scale blocks, about 0.55 us with no fp4 conversion at all,
-twenty-ninth session, against about 0.13 us of tensor work).
+thirtieth session, against about 0.13 us of tensor work).
 
 One CTA per SM, two warpgroups (as the wide kernels' consumers), each
 issuing `steps` MMAs m64nNk32 (e4m3, A from registers, B from shared
@@ -199,7 +199,7 @@ def main() -> int:
             stop.record()
             torch.cuda.synchronize()
             per_step = cycles.double().median().item() / args.steps
-            flops = 2 * ctas * 2 * args.steps * 64 * tokens * 32 * 2
+            flops = ctas * 2 * args.steps * 64 * tokens * 32 * 2   # two warpgroups, 2 FLOPs per MAC
             print(f"{tokens:>6} {name:>10} {per_step:>12.1f} {tokens:>9} {flops / start.elapsed_time(stop) / 1e9:>8.0f}")
     return 0
 
