@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import wgmma_chain  # noqa: E402
 
-# QGMMA instructions in each mode's loop body, per step, and their shape.
+# The one QGMMA shape each order issues (halves: N/2 tokens).
 EXPECTED_SHAPE = {0: "64x{n}x32", 1: "64x{n}x32", 2: "64x{n}x32", 3: "64x{h}x32", 4: "64x{n}x32"}
 
 
