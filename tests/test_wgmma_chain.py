@@ -20,7 +20,7 @@ def test_every_mode_builds_for_sm90a_and_issues_its_mmas(tmp_path):
         pytest.skip("nvcc or cuobjdump not on PATH")
     source = tmp_path / "chain.cu"
     source.write_text(wgmma_chain.KERNEL_SOURCE + "".join(
-        f"template void launch<{n}, {m}>(int, int, long long*, float*, cudaStream_t);\n"
+        f"template void moe::launch<{n}, {m}>(int, int, long long*, float*, cudaStream_t);\n"
         for n in wgmma_chain.TOKENS for m in range(len(wgmma_chain.MODES))))
     build = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
                             "-Xptxas", "-v", "-o", str(tmp_path / "chain.o"), str(source)],
@@ -29,8 +29,10 @@ def test_every_mode_builds_for_sm90a_and_issues_its_mmas(tmp_path):
     assert "C75" not in build.stderr, build.stderr   # ptxas serialising the MMAs would void the timing
     sass = subprocess.run(["cuobjdump", "-sass", str(tmp_path / "chain.o")], capture_output=True, text=True,
                           check=True).stdout
-    for function in re.split(r"Function : ", sass)[1:]:
-        n, mode = map(int, re.match(r"_Z12chain_kernelILi(\d+)ELi(\d)E", function).groups())
+    functions = [f for f in re.split(r"Function : ", sass)[1:] if "chain_kernel" in f.split()[0]]
+    assert len(functions) == len(wgmma_chain.TOKENS) * len(wgmma_chain.MODES)
+    for function in functions:
+        n, mode = map(int, re.search(r"chain_kernelILi(\d+)ELi(\d)E", function.split()[0]).groups())
         shapes = set(re.findall(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3", function))
         assert shapes == {EXPECTED_SHAPE[mode].format(n=n, h=n // 2)}, (n, mode, shapes)
 

@@ -33,39 +33,17 @@ import solution  # noqa: E402
 MODES = ("one_acc", "one_acc_0", "two_accs", "halves", "four_1")
 TOKENS = (64, 144)
 
-KERNEL_SOURCE = r"""
-#include <cstdint>
-#include <cuda_runtime.h>
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MOE_HAS_WGMMA 1
-#endif
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) { return smem_addr(p) >> 4 | 1u << 16; }
-constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef MOE_HAS_WGMMA
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#ifdef MOE_HAS_WGMMA
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-#ifdef MOE_HAS_WGMMA
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
-#endif
-}
-""" + "".join(solution._wgmma_source(n, "e4m3") for n in (32, 64, 72, 144)) + r"""
+# The project's own MMA helpers and wrappers (solution.py's GEMM source: the
+# descriptor, fence, commit, wait and the m64nNk32 e4m3 wrappers, compiled
+# from the same text), so that the chain measured is the kernels'
+# instructions; plus m64n72k32, the halves of 144 tokens, which the kernels
+# do not build.
+KERNEL_SOURCE = (solution.COMMON_SOURCE + solution.GEMM_CONFIG_SOURCE + solution.GEMM_SOURCE
+                 + "namespace moe {\n" + solution._wgmma_source(72, "e4m3") + r"""
 template <int N>
 __device__ __forceinline__ void mma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint32_t b, uint32_t accumulate) {
-    if constexpr (N == 32) wgmma_m64n32k32_e4m3(d, a, b, accumulate);
-    else if constexpr (N == 64) wgmma_m64n64k32_e4m3(d, a, b, accumulate);
-    else if constexpr (N == 72) wgmma_m64n72k32_e4m3(d, a, b, accumulate);
-    else wgmma_m64n144k32_e4m3(d, a, b, accumulate);
+    if constexpr (N == 72) wgmma_m64n72k32_e4m3(d, a, b, accumulate);
+    else wgmma_e4m3_mma<N>(d, a, b, accumulate);
 }
 // Step s's A fragment: fresh registers each step, as a converted block is.
 __device__ __forceinline__ void fragment(uint32_t (&a)[4], uint32_t seed, int s) {
@@ -78,9 +56,7 @@ __global__ void __launch_bounds__(256, 1) chain_kernel(int steps, long long* cyc
     uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_base) + 1023) & ~uintptr_t(1023));
     for (int i = threadIdx.x; i < N * 128 / 16; i += blockDim.x)
         reinterpret_cast<uint4*>(smem)[i] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
-#ifdef MOE_HAS_WGMMA
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+    fence_async_shared();
     __syncthreads();
     const uint32_t b = wgmma_descriptor_low(smem), seed = threadIdx.x * 0x9E3779B9u;
     // Half h of the tokens: N/2 rows of 128 bytes, (N/2) / 8 atoms of 1024 bytes on.
@@ -150,7 +126,8 @@ void launch(int ctas, int steps, long long* cycles, float* sink, cudaStream_t st
     cudaFuncSetAttribute(chain_kernel<N, kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     chain_kernel<N, kMode><<<ctas, 256, smem, stream>>>(steps, cycles, sink);
 }
-"""
+}  // namespace moe
+""")
 
 HOST_SOURCE = r"""
 #include <torch/extension.h>
@@ -160,7 +137,7 @@ void run_chain(int64_t tokens, int64_t mode, int64_t steps, torch::Tensor cycles
     auto* c = cycles.data_ptr<int64_t>();
     auto* s = sink.data_ptr<float>();
     auto stream = at::cuda::getCurrentCUDAStream();
-#define CHAIN_CASE(N, M) if (tokens == N && mode == M) return launch<N, M>(ctas, (int)steps, (long long*)c, s, stream);
+#define CHAIN_CASE(N, M) if (tokens == N && mode == M) return moe::launch<N, M>(ctas, (int)steps, (long long*)c, s, stream);
 #define CHAIN_MODES(N) CHAIN_CASE(N, 0) CHAIN_CASE(N, 1) CHAIN_CASE(N, 2) CHAIN_CASE(N, 3) CHAIN_CASE(N, 4)
     CHAIN_MODES(64) CHAIN_MODES(144)
     TORCH_CHECK(false, "no chain kernel for tokens ", tokens, " mode ", mode);
