@@ -3818,14 +3818,14 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     launch_swiglu_quantize<false>(c, slices);
 }
 
-// The grid: at one CTA per SM (both widths on the H200), one CTA per SM, so
-// that one wave streams every (tile, row tile) pair (the grid of a CTA per
-// tile and group of 8 row tiles was 266 CTAs on 132 SMs at bs=512 E=33, two
-// waves and a tail of two: its stage 2 took 368 us against this one's 316 at
-// d2048); at more per SM (the 64-token kernel before its epilogue warps),
-// CTAs of about stage2_row_tiles' row tiles at the tile count the host
-// expects, as that grid had. Requested row tiles size the grid the second
-// way. Any grid covers every pair the routing
+// The grid: where the kernel fits one CTA per SM (both widths on the H200),
+// one CTA per SM, so that one wave streams every (tile, row tile) pair (the
+// grid of a CTA per tile and group of 8 row tiles was 266 CTAs on 132 SMs
+// at bs=512 E=33, two waves and a tail of two: its stage 2 took 368 us
+// against this one's 316 at d2048); where more fit (the 64-token kernel
+// before its epilogue warps), CTAs of about stage2_row_tiles' row tiles at
+// the tile count the host expects, as that grid had. Requested row tiles
+// size the grid the second way. Any grid covers every pair the routing
 // gives. (H200.) At bs=128 E=33 this kernel's stage 2 took 55 us against
 // the tile-per-CTA kernel's 52 whatever the grid (one wave of even shares,
 // this grid, and CTAs of the old grid's own work units launched tile-major
