@@ -45,6 +45,9 @@ step "device"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
+# ab alone skips this serial build: its smoke step builds every version at once
+# (this checkout's too) and stops a version that does not pass.
+if [ "$parts" != ab ]; then
 step "build"
 # The library's path is printed too: the cache may also hold other versions' (ab).
 python3 -c "import solution, torch; backend, module = solution._backend(torch.device('cuda'))
@@ -61,6 +64,7 @@ if [ -n "$so" ] && command -v cuobjdump >/dev/null; then
   echo "SASS of $so: tensor-core and conversion instructions per kernel"
   cuobjdump -sass "$so" | awk '/Function :/ {f=$3} {for (i = 1; i <= NF; i++) if ($i ~ /^(HMMA|IMMA|QMMA|HGMMA|QGMMA|F2FP)/) {split($i, m, "."); n[f " " m[1]]++}}
     END {for (k in n) print "  " n[k], k}' | sort -k3
+fi
 fi
 
 if want tests; then
