@@ -57,10 +57,10 @@ def run_ab(tmp_path, checkout, versions):
     return out, [line for line in out.splitlines() if line.startswith("python3 tools/ab_bench.py .ab")]
 
 
-def test_ab_alone_leaves_the_build_to_its_parallel_smoke_step(tmp_path):
-    (tmp_path / "alone").mkdir(), (tmp_path / "with").mkdir()
-    assert "=== build" not in run_script(tmp_path / "alone", "ok", {"base.py": "ok"}, ["ab"])
-    assert "=== build" in run_script(tmp_path / "with", "ok", {"base.py": "ok"}, ["selfbench", "ab"])
+@pytest.mark.parametrize("parts, builds", [(["ab"], False), (["mma"], False), (["ab", "mma"], False),
+                                           (["selfbench", "ab"], True), (["tests"], True), ([], True)])
+def test_the_build_step_runs_unless_only_ab_and_mma_are_asked(tmp_path, parts, builds):
+    assert ("=== build" in run_script(tmp_path, "ok", {"base.py": "ok"}, parts)) == builds
 
 
 def test_ab_leaves_out_versions_that_fail_or_hang(tmp_path):

@@ -21,7 +21,8 @@
 #    kernels matching the regex $STALLS_KERNEL) on the first shape in $NCU_SHAPES,
 #    as $OUT/stalls.csv (neither is part of "all");
 #    mma = tools/wgmma_chain.py: cycles per step of a warpgroup's e4m3 MMA chain in several
-#    orders, apart from the kernels (not part of "all");
+#    orders, apart from the kernels, then tools/wide_stage_loop.py: cycles per stage of the
+#    folded wide consumers' loop fed four ways (not part of "all"; about 200 s with both builds);
 #    robust = multibuild + sanitize: four processes building at once on an empty cache
 #    (multibuild, about 80 s), then compute-sanitizer memcheck and racecheck over the
 #    official test shapes and the benchmark shapes in $SANITIZE_SHAPES (sanitize; indices
@@ -45,9 +46,9 @@ step "device"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# ab alone skips this serial build: its smoke step builds every version at once
-# (this checkout's too) and stops a version that does not pass.
-if [ "$parts" != ab ]; then
+# Skipped when only ab and mma are asked: ab's smoke step builds every version at
+# once (this checkout's too) and stops one that does not pass; mma's tools build their own.
+if [[ -n $(printf '%s\n' $parts | grep -v -x -e ab -e mma) ]]; then
 step "build"
 # The library's path is printed too: the cache may also hold other versions' (ab).
 python3 -c "import solution, torch; backend, module = solution._backend(torch.device('cuda'))
@@ -187,6 +188,8 @@ fi
 if asked mma; then
   step "e4m3 MMA chains (tools/wgmma_chain.py)"
   python3 tools/wgmma_chain.py 2>&1 | tee "$OUT/wgmma_chain.log" || status=1
+  step "the folded wide consumers' stage loop, fed four ways (tools/wide_stage_loop.py)"
+  python3 tools/wide_stage_loop.py 2>&1 | tee "$OUT/wide_stage_loop.log" || status=1
 fi
 if want robust || asked multibuild; then
   step "four processes importing at once on an empty cache"

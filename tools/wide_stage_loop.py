@@ -1,0 +1,239 @@
+"""How fast the folded wide stage 1's consumer loop runs when fed in
+different ways, apart from the rest of the kernel: the question behind its
+unit-stage (4 scale blocks), about 1,090 cycles at 64 tokens even with no
+fp4 conversion (thirtieth session), against 256 cycles of tensor work,
+while the consumers' MMA chain alone runs at the tensor cores' bound
+(tools/wgmma_chain.py, thirty-sixth session).
+
+One CTA per SM: the kernels' eight consumer warps (two warpgroups of 64
+weight rows) run solution.py's own consumer stage, wide_compute_stage_folded
+(the full-barrier wait, the scale words, ldmatrix of the fp4 words, the
+fold, the e4m3 MMAs, the empty arrival), over units of 56 stages (K = 7168)
+with a wait for the MMAs after each unit, as stage1_wide_kernel does, and
+no epilogue. The ring's slots are fed one of four ways:
+
+  static     one loading thread only marks each slot full (the slots hold
+             fixed weights, scales and activations): the consumers alone
+  weights    the weights by TMA, two 64-row boxes a stage, streamed from a
+             484 MB buffer (d2048's gate/up weights), as stage1_wide_kernel
+  both       the weights, and the activations by TMA too (one 128-byte box
+             of all the tile's tokens, from 512 tokens' rows)
+  gathers    the weights by TMA and the rest as stage1_wide_kernel loads
+             it: four loading warps, 16-byte cp.async copies of the tokens'
+             rows and a scale word per weight row, a copy group a stage,
+             the previous stage marked full once its group has landed
+
+Prints cycles per stage (clock64, each warpgroup's median over the CTAs)
+against the tensor cores' bound (4 x N cycles a stage for two warpgroups
+at N tokens), and the stages' weight bandwidth.
+
+    python tools/wide_stage_loop.py [--units 40] [--tokens 64 144]
+
+Needs an sm_90 GPU; the source also compiles without one (tests).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import solution  # noqa: E402
+
+FEEDS = ("static", "weights", "both", "gathers")
+TOKENS = (64, 144)
+UNIT_STAGES = 56            # K = 7168 in stages of 4 scale blocks
+WEIGHT_ROWS = 33 * 4096     # d2048's gate and up rows, 3,584 bytes each
+ACT_ROWS = 512              # tokens whose activation rows the tiles read
+
+# The loop's kernel, on solution.py's device code compiled from the same
+# text (the consumer stage, its layouts, the barrier, TMA and copy helpers);
+# its host entry uses solution.py's tensor_map.
+LOOP_KERNEL_SOURCE = r"""
+namespace moe {
+constexpr int kLoopWeightBytesPerRow = 3584, kLoopActBytesPerRow = 7168;
+// Loading warps: one thread for TMA, or four warps whose copies gather the activations.
+template <int kFeed> constexpr int kLoopLoaderWarps = kFeed == 3 ? 4 : 1;
+template <int kTokens, int kFeed>
+__global__ void __launch_bounds__((WideLayout<kTokens>::kConsumerWarps + kLoopLoaderWarps<kFeed>) * 32, 1)
+stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, int act_rows,
+                  const uint8_t* __restrict__ scale_bytes, int weight_rows,
+                  long long* cycles, float* sink, const __grid_constant__ TensorMap weight_map,
+                  const __grid_constant__ TensorMap act_map) {
+    using W = WideStage1<kTokens>;
+    constexpr int kRing = W::kRing, kLoaders = kLoopLoaderWarps<kFeed> * 32;
+    extern __shared__ __align__(16) uint8_t smem_base[];
+    __shared__ uint64_t full[kRing], empty[kRing];
+    uint8_t* smem = align_shared<1024>(smem_base);
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
+    // Every slot: e4m3 activations of 1.0, fp4 codes of 1.0 and scale bytes
+    // 127, inside the fold's window (the fed ways overwrite the first two).
+    for (int i = tid; i < kRing * W::kStageBytes / 4; i += blockDim.x) {
+        const int offset = i * 4 % W::kStageBytes;
+        reinterpret_cast<uint32_t*>(smem)[i] = offset < W::kWeightOffset ? 0x38383838u
+                                             : offset < W::kScaleOffset ? 0x22222222u : 0x7F7F7F7Fu;
+    }
+    if (tid == 0)
+        for (int j = 0; j < kRing; ++j) {
+            mbarrier_init(&full[j], kFeed == 3 ? 1 + kLoaders : 1);
+            mbarrier_init(&empty[j], W::kConsumerWarps * 32);
+        }
+    fence_mbarrier_init();
+    fence_async_shared();   // the slots' contents before the MMAs and TMA (the async proxy) touch them
+    __syncthreads();
+    const int stages = units * unit_stages;
+
+    if (warp >= W::kConsumerWarps) {   // the loads
+        const int p = tid - W::kConsumerWarps * 32;
+        if (kFeed != 3 && p != 0) return;
+        constexpr int SB = W::kStageBlocks, kChunks = SB * kScaleBlock / 16;   // a token's 16-byte chunks a stage
+        for (int unit_index = 0, s = 0; unit_index < units; ++unit_index) {
+            const int unit = unit_index * gridDim.x + blockIdx.x;   // each unit new weights and tokens
+            for (int stage = 0; stage < unit_stages; ++stage, ++s) {
+                const int slot = s % kRing;
+                if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
+                uint8_t* base = smem + slot * W::kStageBytes;
+                if constexpr (kFeed == 0) {
+                    mbarrier_arrive(&full[slot]);
+                    continue;
+                }
+                if (p == 0) {
+                    mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + (kFeed == 2 ? kTokens * 128 : 0));
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        tma_load_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map,
+                                    stage * SB * 16, (unit * kRows + i * (kRows / 2)) % weight_rows, &full[slot]);
+                    if constexpr (kFeed == 2)
+                        tma_load_2d(base + W::kActOffset, &act_map, stage * 128, unit * kTokens % act_rows,
+                                    &full[slot]);
+                }
+                if constexpr (kFeed == 3) {
+                    // As stage1_wide_kernel's loaders: the tokens' 16-byte chunks and a weight row's
+                    // scale word per thread (from the weight bytes, codes of 1.0 read as scale 2^-93,
+                    // inside the fold's window), one group a stage; the previous stage is marked
+                    // full once its group has landed.
+                    for (int c = p; c < kTokens * kChunks; c += kLoaders) {
+                        const int token = c / kChunks, chunk = c % kChunks;
+                        cp_async_16(base + W::kActOffset + W::act_offset(token, chunk),
+                                    acts + (size_t)((unit * kTokens + token) % act_rows) * kLoopActBytesPerRow
+                                    + stage * 128 + chunk * 16, 16);
+                    }
+                    cp_async_small<4>(base + W::kScaleOffset + p * SB, scale_bytes
+                                      + (size_t)((unit * kRows + p) % weight_rows) * kLoopWeightBytesPerRow
+                                      + stage * SB, 4);
+                    cp_async_commit();
+                    if (stage > 0) {
+                        cp_async_wait<1>();
+                        fence_async_shared();
+                        mbarrier_arrive(&full[(s - 1) % kRing]);
+                    }
+                }
+            }
+            if constexpr (kFeed == 3) {
+                cp_async_wait<0>();
+                fence_async_shared();
+                mbarrier_arrive(&full[(s - 1) % kRing]);
+            }
+        }
+        return;
+    }
+
+    const WideLaneOffsets offsets = wide_lane_offsets<kTokens>(warp * 16, lane, [](int r) { return r; });
+    float acc[kTokens / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+    FoldedRows rows{};
+    uint32_t out_of_window = 0;
+    float total = 0.0f;
+    const long long start = clock64();
+    for (int unit = 0, s = 0; unit < units; ++unit) {
+        for (int stage = 0; stage < unit_stages; ++stage, ++s)
+            wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, offsets, rows,
+                                                      out_of_window);
+        wgmma_wait<0>();
+        total += acc[0][0] + acc[kTokens / 8 - 1][3];
+    }
+    const long long stop = clock64();
+    sink[blockIdx.x * blockDim.x + tid] = total + (float)out_of_window;
+    if (tid % 128 == 0) cycles[blockIdx.x * 2 + tid / 128] = stop - start;
+}
+template <int kTokens, int kFeed>
+void launch_loop(int ctas, int units, const uint8_t* acts, const uint8_t* weights, const TensorMap& weight_map,
+                 const TensorMap& act_map, long long* cycles, float* sink, cudaStream_t stream) {
+    using W = WideStage1<kTokens>;
+    const int smem = W::kRing * W::kStageBytes + 1024;
+    cudaFuncSetAttribute(stage_loop_kernel<kTokens, kFeed>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    stage_loop_kernel<kTokens, kFeed><<<ctas, (W::kConsumerWarps + kLoopLoaderWarps<kFeed>) * 32, smem, stream>>>(
+        units, UNIT_STAGES_VALUE, acts, ACT_ROWS_VALUE, weights, WEIGHT_ROWS_VALUE, cycles, sink, weight_map,
+        act_map);
+}
+}  // namespace moe
+""".replace("UNIT_STAGES_VALUE", str(UNIT_STAGES)).replace("ACT_ROWS_VALUE", str(ACT_ROWS)).replace(
+    "WEIGHT_ROWS_VALUE", str(WEIGHT_ROWS))
+LOOP_HOST_SOURCE = r"""
+void run_loop(int64_t tokens, int64_t feed, int64_t units, torch::Tensor weights, torch::Tensor acts,
+              torch::Tensor cycles, torch::Tensor sink) {
+    using namespace moe;
+    const int ctas = (int)cycles.size(0) / 2;
+    const TensorMap weight_map = tensor_map(weights.data_ptr<uint8_t>(), weights.size(0), kLoopWeightBytesPerRow,
+                                            kLoopWeightBytesPerRow, 64, kRows / 2);
+    const TensorMap act_map = tensor_map(acts.data_ptr<uint8_t>(), acts.size(0), kLoopActBytesPerRow,
+                                         kLoopActBytesPerRow, 128, (int)tokens);
+    auto* c = reinterpret_cast<long long*>(cycles.data_ptr<int64_t>());
+    auto* s = sink.data_ptr<float>();
+    const uint8_t* a = acts.data_ptr<uint8_t>();
+    const uint8_t* w = weights.data_ptr<uint8_t>();
+    auto stream = at::cuda::getCurrentCUDAStream();
+#define LOOP_CASE(N, F) \
+    if (tokens == N && feed == F) return launch_loop<N, F>(ctas, (int)units, a, w, weight_map, act_map, c, s, stream);
+#define LOOP_FEEDS(N) LOOP_CASE(N, 0) LOOP_CASE(N, 1) LOOP_CASE(N, 2) LOOP_CASE(N, 3)
+    LOOP_FEEDS(64) LOOP_FEEDS(144)
+    TORCH_CHECK(false, "no stage loop for tokens ", tokens, " feed ", feed);
+}
+"""
+SOURCE = solution.KERNEL_SOURCE + LOOP_KERNEL_SOURCE + solution.HOST_SOURCE + LOOP_HOST_SOURCE
+
+
+def build():
+    import torch
+    from torch.utils.cpp_extension import load_inline
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
+    build_dir = os.path.join(solution._cache_root(), "wide_stage_loop")
+    os.makedirs(build_dir, exist_ok=True)
+    return load_inline(name="wide_stage_loop", cpp_sources="void run_loop(int64_t, int64_t, int64_t, torch::Tensor, "
+                       "torch::Tensor, torch::Tensor, torch::Tensor);", cuda_sources=SOURCE, functions=["run_loop"],
+                       extra_cuda_cflags=solution.NVCC_FLAGS, extra_ldflags=solution.LINK_FLAGS,
+                       build_directory=build_dir, verbose=False), torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--units", type=int, default=40, help=f"units of {UNIT_STAGES} stages per CTA")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), choices=TOKENS)
+    args = parser.parse_args()
+    module, torch = build()
+    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    weights = torch.full((WEIGHT_ROWS, 3584), 0x22, dtype=torch.uint8, device="cuda")   # fp4 codes of 1.0
+    acts = torch.full((ACT_ROWS, 7168), 0x38, dtype=torch.uint8, device="cuda")         # e4m3 1.0
+    cycles = torch.zeros(2 * ctas, dtype=torch.int64, device="cuda")
+    sink = torch.zeros(512 * ctas, device="cuda")
+    print(f"{'tokens':>6} {'feed':>8} {'cycles/stage':>13} {'bound':>6} {'us/stage':>9} {'weights TB/s':>13}")
+    for tokens in args.tokens:
+        for feed, name in enumerate(FEEDS):
+            module.run_loop(tokens, feed, 1, weights, acts, cycles, sink)   # warm-up
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            module.run_loop(tokens, feed, args.units, weights, acts, cycles, sink)
+            stop.record()
+            torch.cuda.synchronize()
+            stages = args.units * UNIT_STAGES
+            per_stage = cycles.double().median().item() / stages
+            us = start.elapsed_time(stop) * 1e3
+            weight_bytes = ctas * stages * 128 * 64   # 128 rows x 64 bytes a stage
+            print(f"{tokens:>6} {name:>8} {per_stage:>13.0f} {4 * tokens:>6} {us / stages:>9.3f} "
+                  f"{weight_bytes / us / 1e6:>13.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
