@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import wide_stage_loop  # noqa: E402
 
 # Per feed: whether its kernel issues TMA loads (UTMALDG) and cp.async copies (LDGSTS).
-EXPECTED_LOADS = {"static": (False, False), "weights": (True, False), "both": (True, False),
+EXPECTED_LOADS = {"static": (False, False), "no_fold": (False, False), "weights": (True, False), "both": (True, False),
                   "gathers": (True, True)}
 
 

@@ -10,10 +10,11 @@ weight rows) run solution.py's own consumer stage, wide_compute_stage_folded
 (the full-barrier wait, the scale words, ldmatrix of the fp4 words, the
 fold, the e4m3 MMAs, the empty arrival), over units of 56 stages (K = 7168)
 with a wait for the MMAs after each unit, as stage1_wide_kernel does, and
-no epilogue. The ring's slots are fed one of four ways:
+no epilogue. The ring's slots are fed one of five ways:
 
   static     one loading thread only marks each slot full (the slots hold
              fixed weights, scales and activations): the consumers alone
+  no_fold    the same, the consumers' MMAs on the raw fp4 words (no fold)
   weights    the weights by TMA, two 64-row boxes a stage, streamed from a
              484 MB buffer (d2048's gate/up weights), as stage1_wide_kernel
   both       the weights, and the activations by TMA too (one 128-byte box
@@ -38,7 +39,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import solution  # noqa: E402
 
-FEEDS = ("static", "weights", "both", "gathers")
+FEEDS = ("static", "no_fold", "weights", "both", "gathers")
 TOKENS = (64, 144)
 UNIT_STAGES = 56            # K = 7168 in stages of 4 scale blocks
 WEIGHT_ROWS = 33 * 4096     # d2048's gate and up rows, 3,584 bytes each
@@ -50,8 +51,28 @@ ACT_ROWS = 512              # tokens whose activation rows the tiles read
 LOOP_KERNEL_SOURCE = r"""
 namespace moe {
 constexpr int kLoopWeightBytesPerRow = 3584, kLoopActBytesPerRow = 7168;
+// The feeds (FEEDS in the Python below, in this order).
+enum LoopFeed { kStatic, kNoFold, kWeights, kBoth, kGathers };
 // Loading warps: one thread for TMA, or four warps whose copies gather the activations.
-template <int kFeed> constexpr int kLoopLoaderWarps = kFeed == 3 ? 4 : 1;
+template <int kFeed> constexpr int kLoopLoaderWarps = kFeed == kGathers ? 4 : 1;
+// wide_compute_stage_folded without the fold: each block's MMA on the raw
+// fp4 words (wrong values, the same MMAs; the thirtieth session's
+// wide_folded_no_convert bound, apart from the kernel).
+template <int kTokens, int kRing>
+__device__ __forceinline__ void stage_without_fold(float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full,
+                                                   uint64_t* empty, int s, bool first_of_tile,
+                                                   const WideLaneOffsets& offsets) {
+    using W = WideLayout<kTokens>;
+    uint32_t scales[2];
+    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, offsets, scales);
+    const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
+    wide_stage_blocks<kTokens, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
+        const uint32_t a[4] = {words[0], words[1], words[0] ^ scales[0], words[1] ^ scales[1]};
+        wgmma_fence();
+        wgmma_e4m3_mma<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
+                                !first_of_tile || block > 0);
+    });
+}
 template <int kTokens, int kFeed>
 __global__ void __launch_bounds__((WideLayout<kTokens>::kConsumerWarps + kLoopLoaderWarps<kFeed>) * 32, 1)
 stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, int act_rows,
@@ -73,17 +94,16 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
     }
     if (tid == 0)
         for (int j = 0; j < kRing; ++j) {
-            mbarrier_init(&full[j], kFeed == 3 ? 1 + kLoaders : 1);
+            mbarrier_init(&full[j], kFeed == kGathers ? 1 + kLoaders : 1);
             mbarrier_init(&empty[j], W::kConsumerWarps * 32);
         }
     fence_mbarrier_init();
     fence_async_shared();   // the slots' contents before the MMAs and TMA (the async proxy) touch them
     __syncthreads();
-    const int stages = units * unit_stages;
 
     if (warp >= W::kConsumerWarps) {   // the loads
         const int p = tid - W::kConsumerWarps * 32;
-        if (kFeed != 3 && p != 0) return;
+        if (kFeed != kGathers && p != 0) return;
         constexpr int SB = W::kStageBlocks, kChunks = SB * kScaleBlock / 16;   // a token's 16-byte chunks a stage
         for (int unit_index = 0, s = 0; unit_index < units; ++unit_index) {
             const int unit = unit_index * gridDim.x + blockIdx.x;   // each unit new weights and tokens
@@ -91,21 +111,21 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
                 const int slot = s % kRing;
                 if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
                 uint8_t* base = smem + slot * W::kStageBytes;
-                if constexpr (kFeed == 0) {
+                if constexpr (kFeed == kStatic || kFeed == kNoFold) {
                     mbarrier_arrive(&full[slot]);
                     continue;
                 }
                 if (p == 0) {
-                    mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + (kFeed == 2 ? kTokens * 128 : 0));
+                    mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + (kFeed == kBoth ? kTokens * 128 : 0));
 #pragma unroll
                     for (int i = 0; i < 2; ++i)
                         tma_load_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map,
                                     stage * SB * 16, (unit * kRows + i * (kRows / 2)) % weight_rows, &full[slot]);
-                    if constexpr (kFeed == 2)
+                    if constexpr (kFeed == kBoth)
                         tma_load_2d(base + W::kActOffset, &act_map, stage * 128, unit * kTokens % act_rows,
                                     &full[slot]);
                 }
-                if constexpr (kFeed == 3) {
+                if constexpr (kFeed == kGathers) {
                     // As stage1_wide_kernel's loaders: the tokens' 16-byte chunks and a weight row's
                     // scale word per thread (from the weight bytes, codes of 1.0 read as scale 2^-93,
                     // inside the fold's window), one group a stage; the previous stage is marked
@@ -127,7 +147,7 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
                     }
                 }
             }
-            if constexpr (kFeed == 3) {
+            if constexpr (kFeed == kGathers) {
                 cp_async_wait<0>();
                 fence_async_shared();
                 mbarrier_arrive(&full[(s - 1) % kRing]);
@@ -148,8 +168,11 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
     const long long start = clock64();
     for (int unit = 0, s = 0; unit < units; ++unit) {
         for (int stage = 0; stage < unit_stages; ++stage, ++s)
-            wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, offsets, rows,
-                                                      out_of_window);
+            if constexpr (kFeed == kNoFold)
+                stage_without_fold<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, offsets);
+            else
+                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, offsets, rows,
+                                                          out_of_window);
         wgmma_wait<0>();
         total += acc[0][0] + acc[kTokens / 8 - 1][3];
     }
@@ -186,7 +209,7 @@ void run_loop(int64_t tokens, int64_t feed, int64_t units, torch::Tensor weights
     auto stream = at::cuda::getCurrentCUDAStream();
 #define LOOP_CASE(N, F) \
     if (tokens == N && feed == F) return launch_loop<N, F>(ctas, (int)units, a, w, weight_map, act_map, c, s, stream);
-#define LOOP_FEEDS(N) LOOP_CASE(N, 0) LOOP_CASE(N, 1) LOOP_CASE(N, 2) LOOP_CASE(N, 3)
+#define LOOP_FEEDS(N) LOOP_CASE(N, 0) LOOP_CASE(N, 1) LOOP_CASE(N, 2) LOOP_CASE(N, 3) LOOP_CASE(N, 4)
     LOOP_FEEDS(64) LOOP_FEEDS(144)
     TORCH_CHECK(false, "no stage loop for tokens ", tokens, " feed ", feed);
 }
