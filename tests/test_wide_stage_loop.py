@@ -14,7 +14,7 @@ import wide_stage_loop  # noqa: E402
 
 # Per feed: whether its kernel issues TMA loads (UTMALDG) and cp.async copies (LDGSTS).
 EXPECTED_LOADS = {"static": (False, False), "no_fold": (False, False), "weights": (True, False), "both": (True, False),
-                  "gathers": (True, True)}
+                  "gathers": (True, True), "ss_static": (False, False), "ss_both": (True, False)}
 
 
 def test_every_feed_builds_for_sm90a_and_issues_its_loads(tmp_path):
@@ -30,15 +30,15 @@ def test_every_feed_builds_for_sm90a_and_issues_its_loads(tmp_path):
                            capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stdout + build.stderr
     assert "C75" not in build.stderr, build.stderr   # ptxas serialising the MMAs would void the timing
-    reports = [r for r in build.stderr.split("Compiling entry function")[1:] if "stage_loop_kernel" in r.split()[0]]
+    reports = [r for r in build.stderr.split("Compiling entry function")[1:] if "loop_kernel" in r.split()[0]]
     assert len(reports) == len(wide_stage_loop.TOKENS) * len(wide_stage_loop.FEEDS), build.stderr
     assert all(re.search(r"\b0 bytes spill stores", r) for r in reports), reports
     sass = subprocess.run(["cuobjdump", "-sass", str(tmp_path / "loop.o")], capture_output=True, text=True,
                           check=True).stdout
-    functions = [f for f in re.split(r"Function : ", sass)[1:] if "stage_loop_kernel" in f.split()[0]]
+    functions = [f for f in re.split(r"Function : ", sass)[1:] if "loop_kernel" in f.split()[0]]
     assert len(functions) == len(wide_stage_loop.TOKENS) * len(wide_stage_loop.FEEDS)
     for function in functions:
-        n, feed = map(int, re.search(r"stage_loop_kernelILi(\d+)ELi(\d)E", function.split()[0]).groups())
+        n, feed = map(int, re.search(r"loop_kernelILi(\d+)ELi(\d)E", function.split()[0]).groups())
         shapes = set(re.findall(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3", function))
         assert shapes == {f"64x{n}x32"}, (n, feed, shapes)
         loads = ("UTMALDG" in function, "LDGSTS" in function)

@@ -22,7 +22,8 @@
 #    as $OUT/stalls.csv (neither is part of "all");
 #    mma = tools/wgmma_chain.py: cycles per step of a warpgroup's e4m3 MMA chain in several
 #    orders, apart from the kernels, then tools/wide_stage_loop.py: cycles per stage of the
-#    folded wide consumers' loop fed five ways (not part of "all"; about 200 s with both builds);
+#    folded wide consumers' loop fed five ways and of a design with fold warps (not part of "all";
+#    about 200 s with both builds);
 #    robust = multibuild + sanitize: four processes building at once on an empty cache
 #    (multibuild, about 80 s), then compute-sanitizer memcheck and racecheck over the
 #    official test shapes and the benchmark shapes in $SANITIZE_SHAPES (sanitize; indices
@@ -188,7 +189,7 @@ fi
 if asked mma; then
   step "e4m3 MMA chains (tools/wgmma_chain.py)"
   python3 tools/wgmma_chain.py 2>&1 | tee "$OUT/wgmma_chain.log" || status=1
-  step "the folded wide consumers' stage loop, fed five ways (tools/wide_stage_loop.py)"
+  step "the folded wide consumers' stage loop, fed five ways, and the fold-warp design's (tools/wide_stage_loop.py)"
   python3 tools/wide_stage_loop.py 2>&1 | tee "$OUT/wide_stage_loop.log" || status=1
 fi
 if want robust || asked multibuild; then

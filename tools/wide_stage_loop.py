@@ -10,7 +10,7 @@ weight rows) run solution.py's own consumer stage, wide_compute_stage_folded
 (the full-barrier wait, the scale words, ldmatrix of the fp4 words, the
 fold, the e4m3 MMAs, the empty arrival), over units of 56 stages (K = 7168)
 with a wait for the MMAs after each unit, as stage1_wide_kernel does, and
-no epilogue. The ring's slots are fed one of five ways:
+no epilogue. The ring's slots are fed one of five ways,
 
   static     one loading thread only marks each slot full (the slots hold
              fixed weights, scales and activations): the consumers alone
@@ -23,6 +23,14 @@ no epilogue. The ring's slots are fed one of five ways:
              it: four loading warps, 16-byte cp.async copies of the tokens'
              rows and a scale word per weight row, a copy group a stage,
              the previous stage marked full once its group has landed
+
+and, for the other design (ss_loop_kernel), four warps of their own fold
+the fp4 weights into e4m3 bytes in the slot and the consumers' MMAs take
+both operands from shared memory (no register operand, no fold on their
+path; the sums are wrong, the timing is the design's):
+
+  ss_static  the slots only marked full
+  ss_both    the weights and activations by TMA (as both)
 
 Prints cycles per stage (clock64, each warpgroup's median over the CTAs)
 against the tensor cores' bound (4 x N cycles a stage for two warpgroups
@@ -39,20 +47,46 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import solution  # noqa: E402
 
-FEEDS = ("static", "no_fold", "weights", "both", "gathers")
+FEEDS = ("static", "no_fold", "weights", "both", "gathers", "ss_static", "ss_both")
 TOKENS = (64, 144)
 UNIT_STAGES = 56            # K = 7168 in stages of 4 scale blocks
 WEIGHT_ROWS = 33 * 4096     # d2048's gate and up rows, 3,584 bytes each
 ACT_ROWS = 512              # tokens whose activation rows the tiles read
 
-# The loop's kernel, on solution.py's device code compiled from the same
+
+
+def _ss_wgmma_source(n: int) -> str:
+    """wgmma_ss_e4m3<n>: d (+)= a.b, m64n{n}k32 e4m3, both operands by
+    descriptor (the kernels' wrappers take a from registers)."""
+    regs = n // 2
+    outputs = ", ".join(f"%{i}" for i in range(regs))
+    constraints = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+    return f"""
+template <> __device__ __forceinline__ void wgmma_ss_e4m3<{n}>(float (&d)[{n // 8}][4], uint32_t a_descriptor,
+                                                           uint32_t b_descriptor, uint32_t accumulate) {{
+    asm volatile("{{\\n.reg .pred accumulate;\\n.reg .b64 a, b;\\nsetp.ne.b32 accumulate, %{regs + 2}, 0;\\n"
+                 "mov.b64 a, {{%{regs}, %{regs + 3}}};\\nmov.b64 b, {{%{regs + 1}, %{regs + 3}}};\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outputs}}}, a, b, accumulate, 1, 1;\\n}}\\n"
+                 : {constraints}
+                 : "r"(a_descriptor), "r"(b_descriptor), "r"(accumulate), "r"(kWgmmaDescriptorHigh));
+}}
+"""
+
+
+# The loop's kernels, on solution.py's device code compiled from the same
 # text (the consumer stage, its layouts, the barrier, TMA and copy helpers);
-# its host entry uses solution.py's tensor_map.
+# the host entry uses solution.py's tensor_map.
 LOOP_KERNEL_SOURCE = r"""
+namespace moe {
+template <int N>
+__device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[N / 8][4], uint32_t a_descriptor, uint32_t b_descriptor,
+                                              uint32_t accumulate);
+""" + "".join(_ss_wgmma_source(n) for n in TOKENS) + r"""
+}  // namespace moe
 namespace moe {
 constexpr int kLoopWeightBytesPerRow = 3584, kLoopActBytesPerRow = 7168;
 // The feeds (FEEDS in the Python below, in this order).
-enum LoopFeed { kStatic, kNoFold, kWeights, kBoth, kGathers };
+enum LoopFeed { kStatic, kNoFold, kWeights, kBoth, kGathers, kSsStatic, kSsBoth };
 // Loading warps: one thread for TMA, or four warps whose copies gather the activations.
 template <int kFeed> constexpr int kLoopLoaderWarps = kFeed == kGathers ? 4 : 1;
 // wide_compute_stage_folded without the fold: each block's MMA on the raw
@@ -180,15 +214,146 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
     sink[blockIdx.x * blockDim.x + tid] = total + (float)out_of_window;
     if (tid % 128 == 0) cycles[blockIdx.x * 2 + tid / 128] = stop - start;
 }
+// The other design: four fold warps of their own fold each stage's fp4
+// weights into e4m3 bytes in the slot (128 rows of 128 bytes, the 128-byte
+// swizzle of the activations), and the consumers issue m64nNk32 MMAs with
+// both operands in shared memory, four a stage and one commit, keeping two
+// stages in flight. Fed kSsStatic (slots only marked full) or kSsBoth
+// (weights and activations by TMA, as kBoth). Each slot grows by the 16 KB
+// of folded weights, so the ring is 3 slots at 144 tokens and 5 at 64 (the
+// kernels': 4 and 6). Timing only: the folded bytes keep the fold's
+// register order (fp4_word_to_folded_e4m3), not K's, so the sums are wrong.
+template <int kTokens>
+struct SsLayout : WideLayout<kTokens> {
+    using L = WideLayout<kTokens>;
+    static constexpr int kFoldedOffset = L::kStageBytes, kSlotBytes = L::kStageBytes + kRows * 128;
+    static constexpr int kRing = (227 * 1024 - 2048) / kSlotBytes, kFoldWarps = 4;
+};
+template <int kTokens, int kFeed>
+__global__ void __launch_bounds__((WideLayout<kTokens>::kConsumerWarps + 1 + SsLayout<kTokens>::kFoldWarps) * 32, 1)
+ss_loop_kernel(int units, int unit_stages, int act_rows, int weight_rows, long long* cycles, float* sink,
+               const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap act_map) {
+    using W = SsLayout<kTokens>;
+    constexpr int kRing = W::kRing, SB = W::kStageBlocks;
+    extern __shared__ __align__(16) uint8_t smem_base[];
+    __shared__ uint64_t full[kRing], folded[kRing], empty[kRing];
+    uint8_t* smem = align_shared<1024>(smem_base);
+    const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xFFFFFFFFu, tid >> 5, 0);
+    for (int i = tid; i < kRing * W::kSlotBytes / 4; i += blockDim.x) {
+        const int offset = i * 4 % W::kSlotBytes;
+        reinterpret_cast<uint32_t*>(smem)[i] = offset < W::kWeightOffset ? 0x38383838u
+                                             : offset < W::kScaleOffset ? 0x22222222u
+                                             : offset < W::kFoldedOffset ? 0x7F7F7F7Fu : 0u;
+    }
+    if (tid == 0)
+        for (int j = 0; j < kRing; ++j) {
+            mbarrier_init(&full[j], 1);
+            mbarrier_init(&folded[j], W::kFoldWarps * 32);
+            mbarrier_init(&empty[j], W::kConsumerWarps * 32);
+        }
+    fence_mbarrier_init();
+    fence_async_shared();
+    __syncthreads();
+    const int stages = units * unit_stages;
+
+    if (warp == W::kConsumerWarps) {   // the loads
+        if (lane != 0) return;
+        for (int s = 0; s < stages; ++s) {
+            const int slot = s % kRing, stage = s % unit_stages, unit = s / unit_stages * gridDim.x + blockIdx.x;
+            if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
+            uint8_t* base = smem + slot * W::kSlotBytes;
+            if constexpr (kFeed == kSsStatic) {
+                mbarrier_arrive(&full[slot]);
+            } else {
+                mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + kTokens * 128);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+                    tma_load_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map, stage * SB * 16,
+                                (unit * kRows + i * (kRows / 2)) % weight_rows, &full[slot]);
+                tma_load_2d(base + W::kActOffset, &act_map, stage * 128, unit * kTokens % act_rows, &full[slot]);
+            }
+        }
+        return;
+    }
+    if (warp > W::kConsumerWarps) {   // the fold: thread f folds weight row f of every stage
+        const int row = tid - (W::kConsumerWarps + 1) * 32;
+        uint32_t lo_at_zero = 0, hi_at_zero = 0;
+        for (int s = 0; s < stages; ++s) {
+            const int slot = s % kRing;
+            mbarrier_wait(&full[slot], (s / kRing) & 1);   // (the loader waited for the slot's previous MMAs)
+            uint8_t* base = smem + slot * W::kSlotBytes;
+            const uint32_t scales = *reinterpret_cast<const uint32_t*>(base + W::kScaleOffset + row * SB);
+            if (s % unit_stages == 0) folded_e4m3_table(-(int)(scales & 0xFFu), lo_at_zero, hi_at_zero);
+            uint4 words[SB];
+#pragma unroll
+            for (int b = 0; b < SB; ++b)
+                words[b] = *reinterpret_cast<const uint4*>(base + W::kWeightOffset + W::weight_offset(row, b));
+#pragma unroll
+            for (int b = 0; b < SB; ++b) {
+                const uint32_t scale = byte_perm(scales, 0u, 0x4440u | b);
+                const uint32_t lo = lo_at_zero + scale * 0x08080800u, hi = hi_at_zero + scale * 0x08080808u;
+                const uint2 q0 = fp4_word_to_folded_e4m3(words[b].x, lo, hi);
+                const uint2 q1 = fp4_word_to_folded_e4m3(words[b].y, lo, hi);
+                const uint2 q2 = fp4_word_to_folded_e4m3(words[b].z, lo, hi);
+                const uint2 q3 = fp4_word_to_folded_e4m3(words[b].w, lo, hi);
+                uint8_t* dst = base + W::kFoldedOffset + (row >> 3) * 1024 + (row & 7) * 128;   // the row's atom
+                *reinterpret_cast<uint4*>(dst + (((2 * b) ^ (row & 7)) << 4)) = make_uint4(q0.x, q0.y, q1.x, q1.y);
+                *reinterpret_cast<uint4*>(dst + (((2 * b + 1) ^ (row & 7)) << 4)) = make_uint4(q2.x, q2.y, q3.x, q3.y);
+            }
+            fence_async_shared();   // the folded bytes before the MMAs (the async proxy) read them
+            mbarrier_arrive(&folded[slot]);
+        }
+        return;
+    }
+
+    const int group = warp / 4;   // warpgroup: weight rows 64 group .. +63
+    float acc[kTokens / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+    float total = 0.0f;
+    const long long start = clock64();
+    for (int unit = 0, s = 0; unit < units; ++unit) {
+        for (int stage = 0; stage < unit_stages; ++stage, ++s) {
+            const int slot = s % kRing;
+            mbarrier_wait(&folded[slot], (s / kRing) & 1);
+            const uint8_t* base = smem + slot * W::kSlotBytes;
+            const uint32_t a = wgmma_descriptor_low(base + W::kFoldedOffset + group * 64 * 128);
+            const uint32_t b = wgmma_descriptor_low(base + W::kActOffset);
+            wgmma_fence();
+#pragma unroll
+            for (int block = 0; block < SB; ++block)
+                wgmma_ss_e4m3<kTokens>(acc, a + 2 * block, b + W::act_offset(0, 2 * block) / 16,
+                                       stage > 0 || block > 0);
+            wgmma_commit();
+            wgmma_wait<1>();   // the previous stage's MMAs are complete: release its slot
+            mbarrier_arrive_if(&empty[(s + kRing - 1) % kRing], s > 0);
+        }
+        wgmma_wait<0>();
+        total += acc[0][0] + acc[kTokens / 8 - 1][3];
+    }
+    const long long stop = clock64();
+    sink[blockIdx.x * blockDim.x + tid] = total;
+    if (tid % 128 == 0) cycles[blockIdx.x * 2 + tid / 128] = stop - start;
+}
 template <int kTokens, int kFeed>
 void launch_loop(int ctas, int units, const uint8_t* acts, const uint8_t* weights, const TensorMap& weight_map,
                  const TensorMap& act_map, long long* cycles, float* sink, cudaStream_t stream) {
-    using W = WideStage1<kTokens>;
-    const int smem = W::kRing * W::kStageBytes + 1024;
-    cudaFuncSetAttribute(stage_loop_kernel<kTokens, kFeed>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    stage_loop_kernel<kTokens, kFeed><<<ctas, (W::kConsumerWarps + kLoopLoaderWarps<kFeed>) * 32, smem, stream>>>(
-        units, UNIT_STAGES_VALUE, acts, ACT_ROWS_VALUE, weights, WEIGHT_ROWS_VALUE, cycles, sink, weight_map,
-        act_map);
+    if constexpr (kFeed >= kSsStatic) {
+        using W = SsLayout<kTokens>;
+        const int smem = W::kRing * W::kSlotBytes + 1024;
+        cudaFuncSetAttribute(ss_loop_kernel<kTokens, kFeed>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        ss_loop_kernel<kTokens, kFeed><<<ctas, (W::kConsumerWarps + 1 + W::kFoldWarps) * 32, smem, stream>>>(
+            units, UNIT_STAGES_VALUE, ACT_ROWS_VALUE, WEIGHT_ROWS_VALUE, cycles, sink, weight_map, act_map);
+    } else {
+        using W = WideStage1<kTokens>;
+        const int smem = W::kRing * W::kStageBytes + 1024;
+        cudaFuncSetAttribute(stage_loop_kernel<kTokens, kFeed>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        stage_loop_kernel<kTokens, kFeed><<<ctas, (W::kConsumerWarps + kLoopLoaderWarps<kFeed>) * 32, smem,
+                                            stream>>>(units, UNIT_STAGES_VALUE, acts, ACT_ROWS_VALUE, weights,
+                                                      WEIGHT_ROWS_VALUE, cycles, sink, weight_map, act_map);
+    }
 }
 }  // namespace moe
 """.replace("UNIT_STAGES_VALUE", str(UNIT_STAGES)).replace("ACT_ROWS_VALUE", str(ACT_ROWS)).replace(
@@ -209,7 +374,8 @@ void run_loop(int64_t tokens, int64_t feed, int64_t units, torch::Tensor weights
     auto stream = at::cuda::getCurrentCUDAStream();
 #define LOOP_CASE(N, F) \
     if (tokens == N && feed == F) return launch_loop<N, F>(ctas, (int)units, a, w, weight_map, act_map, c, s, stream);
-#define LOOP_FEEDS(N) LOOP_CASE(N, 0) LOOP_CASE(N, 1) LOOP_CASE(N, 2) LOOP_CASE(N, 3) LOOP_CASE(N, 4)
+#define LOOP_FEEDS(N) LOOP_CASE(N, 0) LOOP_CASE(N, 1) LOOP_CASE(N, 2) LOOP_CASE(N, 3) LOOP_CASE(N, 4) \
+                      LOOP_CASE(N, 5) LOOP_CASE(N, 6)
     LOOP_FEEDS(64) LOOP_FEEDS(144)
     TORCH_CHECK(false, "no stage loop for tokens ", tokens, " feed ", feed);
 }
