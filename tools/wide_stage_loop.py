@@ -54,7 +54,6 @@ WEIGHT_ROWS = 33 * 4096     # d2048's gate and up rows, 3,584 bytes each
 ACT_ROWS = 512              # tokens whose activation rows the tiles read
 
 
-
 def _ss_wgmma_source(n: int) -> str:
     """wgmma_ss_e4m3<n>: d (+)= a.b, m64n{n}k32 e4m3, both operands by
     descriptor (the kernels' wrappers take a from registers)."""
@@ -82,8 +81,6 @@ template <int N>
 __device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[N / 8][4], uint32_t a_descriptor, uint32_t b_descriptor,
                                               uint32_t accumulate);
 """ + "".join(_ss_wgmma_source(n) for n in TOKENS) + r"""
-}  // namespace moe
-namespace moe {
 constexpr int kLoopWeightBytesPerRow = 3584, kLoopActBytesPerRow = 7168;
 // The feeds (FEEDS in the Python below, in this order).
 enum LoopFeed { kStatic, kNoFold, kWeights, kBoth, kGathers, kSsStatic, kSsBoth };
