@@ -34,7 +34,8 @@ path; the sums are wrong, the timing is the design's):
 
 Prints cycles per stage (clock64, each warpgroup's median over the CTAs)
 against the tensor cores' bound (4 x N cycles a stage for two warpgroups
-at N tokens), and the stages' weight bandwidth.
+at N tokens), and the rate at which the stages consume weight bytes (read
+from memory only by the weights, both, gathers and ss_both feeds).
 
     python tools/wide_stage_loop.py [--units 40] [--tokens 64 144]
 
