@@ -27,7 +27,7 @@ no epilogue. The ring's slots are fed one of five ways,
 and, for the other design (ss_loop_kernel), four warps of their own fold
 the fp4 weights into e4m3 bytes in the slot and the consumers' MMAs take
 both operands from shared memory (no register operand, no fold on their
-path; the sums are wrong, the timing is the design's):
+path; for timing: the sums are not checked or scaled):
 
   ss_static  the slots only marked full
   ss_both    the weights and activations by TMA (as both)
@@ -219,8 +219,9 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
 // stages in flight. Fed kSsStatic (slots only marked full) or kSsBoth
 // (weights and activations by TMA, as kBoth). Each slot grows by the 16 KB
 // of folded weights, so the ring is 3 slots at 144 tokens and 5 at 64 (the
-// kernels': 4 and 6). Timing only: the folded bytes keep the fold's
-// register order (fp4_word_to_folded_e4m3), not K's, so the sums are wrong.
+// kernels': 4 and 6). For timing: each row's folded bytes land in K's
+// order, as the activations', but the sums are neither checked nor scaled
+// by the rows' 2^(base - 127), and no window test is made.
 template <int kTokens>
 struct SsLayout : WideLayout<kTokens> {
     using L = WideLayout<kTokens>;
