@@ -55,3 +55,4 @@ def test_the_tool_runs_on_sm90():
     rows = [line.split() for line in run.stdout.splitlines()[1:]]
     assert [row[1] for row in rows] == list(wide_stage_loop.FEEDS)
     assert all(float(row[2]) >= 4 * 64 * 0.9 for row in rows)   # no faster than the tensor cores' bound
+    assert [row[-1] for row in rows] == ["-" if feed == "no_fold" else "ok" for feed in wide_stage_loop.FEEDS]

@@ -34,8 +34,10 @@ path; for timing: the sums are not checked or scaled):
 
 Prints cycles per stage (clock64, each warpgroup's median over the CTAs)
 against the tensor cores' bound (4 x N cycles a stage for two warpgroups
-at N tokens), and the rate at which the stages consume weight bytes (read
-from memory only by the weights, both, gathers and ss_both feeds).
+at N tokens), the rate at which the stages consume weight bytes (read
+from memory only by the weights, both, gathers and ss_both feeds), and
+whether every consumer's sums came out right (every weight and activation
+folds to 1.0; not for no_fold).
 
     python tools/wide_stage_loop.py [--units 40] [--tokens 64 144]
 
@@ -206,10 +208,10 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
                 wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, offsets, rows,
                                                           out_of_window);
         wgmma_wait<0>();
-        total += acc[0][0] + acc[kTokens / 8 - 1][3];
+        total += acc[0][0];   // row 16 warp + g, token 2t: 7168 products of 1.0 a unit (not for no_fold)
     }
     const long long stop = clock64();
-    sink[blockIdx.x * blockDim.x + tid] = total + (float)out_of_window;
+    sink[blockIdx.x * W::kConsumerWarps * 32 + tid] = out_of_window != 0 ? -1.0f : total;
     if (tid % 128 == 0) cycles[blockIdx.x * 2 + tid / 128] = stop - start;
 }
 // The other design: four fold warps of their own fold each stage's fp4
@@ -330,10 +332,10 @@ ss_loop_kernel(int units, int unit_stages, int act_rows, int weight_rows, long l
             mbarrier_arrive_if(&empty[(s + kRing - 1) % kRing], s > 0);
         }
         wgmma_wait<0>();
-        total += acc[0][0] + acc[kTokens / 8 - 1][3];
+        total += acc[0][0];   // row 16 warp + g, token 2t: 7168 products of 1.0 a unit (not for no_fold)
     }
     const long long stop = clock64();
-    sink[blockIdx.x * blockDim.x + tid] = total;
+    sink[blockIdx.x * W::kConsumerWarps * 32 + tid] = total;
     if (tid % 128 == 0) cycles[blockIdx.x * 2 + tid / 128] = stop - start;
 }
 template <int kTokens, int kFeed>
@@ -404,8 +406,9 @@ def main() -> int:
     weights = torch.full((WEIGHT_ROWS, 3584), 0x22, dtype=torch.uint8, device="cuda")   # fp4 codes of 1.0
     acts = torch.full((ACT_ROWS, 7168), 0x38, dtype=torch.uint8, device="cuda")         # e4m3 1.0
     cycles = torch.zeros(2 * ctas, dtype=torch.int64, device="cuda")
-    sink = torch.zeros(512 * ctas, device="cuda")
-    print(f"{'tokens':>6} {'feed':>8} {'cycles/stage':>13} {'bound':>6} {'us/stage':>9} {'weights TB/s':>13}")
+    sink = torch.zeros(ctas, 256, device="cuda")   # each consumer thread's sum (see stage_loop_kernel)
+    print(f"{'tokens':>6} {'feed':>9} {'cycles/stage':>13} {'bound':>6} {'us/stage':>9} {'weights TB/s':>13} "
+          f"{'sums':>5}")
     for tokens in args.tokens:
         for feed, name in enumerate(FEEDS):
             module.run_loop(tokens, feed, 1, weights, acts, cycles, sink)   # warm-up
@@ -418,8 +421,11 @@ def main() -> int:
             per_stage = cycles.double().median().item() / stages
             us = start.elapsed_time(stop) * 1e3
             weight_bytes = ctas * stages * 128 * 64   # 128 rows x 64 bytes a stage
-            print(f"{tokens:>6} {name:>8} {per_stage:>13.0f} {4 * tokens:>6} {us / stages:>9.3f} "
-                  f"{weight_bytes / us / 1e6:>13.2f}")
+            # Every weight and activation is 1.0 once folded, so a consumer's sum over the units
+            # is 7168 a unit; no_fold multiplies raw codes.
+            sums = "-" if name == "no_fold" else "ok" if bool((sink == 7168.0 * args.units).all()) else "WRONG"
+            print(f"{tokens:>6} {name:>9} {per_stage:>13.0f} {4 * tokens:>6} {us / stages:>9.3f} "
+                  f"{weight_bytes / us / 1e6:>13.2f} {sums:>5}")
     return 0
 
 
