@@ -27,7 +27,8 @@ no epilogue. The ring's slots are fed one of five ways,
 and, for the other design (ss_loop_kernel), four warps of their own fold
 the fp4 weights into e4m3 bytes in the slot and the consumers' MMAs take
 both operands from shared memory (no register operand, no fold on their
-path; for timing: the sums are not checked or scaled):
+path; the folded weights in the kernels' activation order, not scaled by
+their rows' scales, no window test):
 
   ss_static  the slots only marked full
   ss_both    the weights and activations by TMA (as both)
@@ -221,9 +222,10 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
 // stages in flight. Fed kSsStatic (slots only marked full) or kSsBoth
 // (weights and activations by TMA, as kBoth). Each slot grows by the 16 KB
 // of folded weights, so the ring is 3 slots at 144 tokens and 5 at 64 (the
-// kernels': 4 and 6). For timing: each row's folded bytes land in K's
-// order, as the activations', but the sums are neither checked nor scaled
-// by the rows' 2^(base - 127), and no window test is made.
+// kernels': 4 and 6). The folded bytes land in the order of the kernels'
+// folded activations (folded_act_position), so a kernel built this way
+// would multiply the right pairs; here the sums are only checked on 1.0s,
+// not scaled by the rows' 2^(base - 127), and no window test is made.
 template <int kTokens>
 struct SsLayout : WideLayout<kTokens> {
     using L = WideLayout<kTokens>;
@@ -298,8 +300,10 @@ ss_loop_kernel(int units, int unit_stages, int act_rows, int weight_rows, long l
                 const uint2 q2 = fp4_word_to_folded_e4m3(words[b].z, lo, hi);
                 const uint2 q3 = fp4_word_to_folded_e4m3(words[b].w, lo, hi);
                 uint8_t* dst = base + W::kFoldedOffset + (row >> 3) * 1024 + (row & 7) * 128;   // the row's atom
-                *reinterpret_cast<uint4*>(dst + (((2 * b) ^ (row & 7)) << 4)) = make_uint4(q0.x, q0.y, q1.x, q1.y);
-                *reinterpret_cast<uint4*>(dst + (((2 * b + 1) ^ (row & 7)) << 4)) = make_uint4(q2.x, q2.y, q3.x, q3.y);
+                // K in folded_act_position's order, as the kernels' folded activations: word i's
+                // values 0-3 at bytes 4i.., its values 4-7 at 16 + 4i..
+                *reinterpret_cast<uint4*>(dst + (((2 * b) ^ (row & 7)) << 4)) = make_uint4(q0.x, q1.x, q2.x, q3.x);
+                *reinterpret_cast<uint4*>(dst + (((2 * b + 1) ^ (row & 7)) << 4)) = make_uint4(q0.y, q1.y, q2.y, q3.y);
             }
             fence_async_shared();   // the folded bytes before the MMAs (the async proxy) read them
             mbarrier_arrive(&folded[slot]);
