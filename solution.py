@@ -4069,18 +4069,21 @@ def _writable_dir(path: str) -> str:
         return fallback
 
 
-def _load_extension(name: str, arch: str, build_dir: str):
-    """torch's load_inline for our source: builds with ninja unless build_dir
-    already holds an up-to-date library (torch's file lock makes concurrent
-    builders wait for one build), then imports it."""
+def _load_extension(name: str, arch: str, build_dir: str, declaration: Optional[str] = None,
+                    source: Optional[str] = None, function: str = "moe_forward"):
+    """torch's load_inline for our source (or, for the tools'
+    microbenchmarks, another source with its function's declaration): builds
+    with ninja unless build_dir already holds an up-to-date library (torch's
+    file lock makes concurrent builders wait for one build), then imports it."""
     from torch.utils.cpp_extension import load_inline
 
     previous_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
-        return load_inline(name=name, cpp_sources=HOST_DECLARATION, cuda_sources=KERNEL_SOURCE + HOST_SOURCE,
-                           functions=["moe_forward"], extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS,
-                           build_directory=build_dir, verbose=False)
+        return load_inline(name=name, cpp_sources=declaration or HOST_DECLARATION,
+                           cuda_sources=source or KERNEL_SOURCE + HOST_SOURCE, functions=[function],
+                           extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, build_directory=build_dir,
+                           verbose=False)
     finally:
         if previous_arch is None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)

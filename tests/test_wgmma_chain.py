@@ -9,6 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import kernel_resources  # noqa: E402
 import wgmma_chain  # noqa: E402
 
 # The one QGMMA shape each order issues (halves: N/2 tokens).
@@ -18,21 +19,16 @@ EXPECTED_SHAPE = {0: "64x{n}x32", 1: "64x{n}x32", 2: "64x{n}x32", 3: "64x{h}x32"
 def test_every_mode_builds_for_sm90a_and_issues_its_mmas(tmp_path):
     if shutil.which("nvcc") is None or shutil.which("cuobjdump") is None:
         pytest.skip("nvcc or cuobjdump not on PATH")
-    source = tmp_path / "chain.cu"
-    source.write_text(wgmma_chain.KERNEL_SOURCE + "".join(
+    returncode, report = kernel_resources.ptxas_report(str(tmp_path), wgmma_chain.KERNEL_SOURCE + "".join(
         f"template void moe::launch<{n}, {m}>(int, int, long long*, float*, cudaStream_t);\n"
         for n in wgmma_chain.TOKENS for m in range(len(wgmma_chain.MODES))))
-    build = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                            "-Xptxas", "-v", "-o", str(tmp_path / "chain.o"), str(source)],
-                           capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stdout + build.stderr
-    assert "C75" not in build.stderr, build.stderr   # ptxas serialising the MMAs would void the timing
-    sass = subprocess.run(["cuobjdump", "-sass", str(tmp_path / "chain.o")], capture_output=True, text=True,
-                          check=True).stdout
-    functions = [f for f in re.split(r"Function : ", sass)[1:] if "chain_kernel" in f.split()[0]]
+    assert returncode == 0, report
+    assert "C75" not in report, report   # ptxas serialising the MMAs would void the timing
+    functions = {name: sass for name, sass in kernel_resources.sass_functions(str(tmp_path)).items()
+                 if "chain_kernel" in name}
     assert len(functions) == len(wgmma_chain.TOKENS) * len(wgmma_chain.MODES)
-    for function in functions:
-        n, mode = map(int, re.search(r"chain_kernelILi(\d+)ELi(\d)E", function.split()[0]).groups())
+    for name, function in functions.items():
+        n, mode = map(int, re.search(r"chain_kernelILi(\d+)ELi(\d)E", name).groups())
         shapes = set(re.findall(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3", function))
         assert shapes == {EXPECTED_SHAPE[mode].format(n=n, h=n // 2)}, (n, mode, shapes)
 

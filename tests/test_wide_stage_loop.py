@@ -10,6 +10,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import kernel_resources  # noqa: E402
 import wide_stage_loop  # noqa: E402
 
 # Per feed: whether its kernel issues TMA loads (UTMALDG) and cp.async copies (LDGSTS).
@@ -20,25 +21,21 @@ EXPECTED_LOADS = {"static": (False, False), "no_fold": (False, False), "weights"
 def test_every_feed_builds_for_sm90a_and_issues_its_loads(tmp_path):
     if shutil.which("nvcc") is None or shutil.which("cuobjdump") is None:
         pytest.skip("nvcc or cuobjdump not on PATH")
-    source = tmp_path / "loop.cu"
-    source.write_text(wide_stage_loop.solution.KERNEL_SOURCE + wide_stage_loop.LOOP_KERNEL_SOURCE + "".join(
+    returncode, report = kernel_resources.ptxas_report(str(tmp_path), wide_stage_loop.solution.KERNEL_SOURCE
+                                                       + wide_stage_loop.LOOP_KERNEL_SOURCE + "".join(
         f"template void moe::launch_loop<{n}, {f}>(int, int, const uint8_t*, const uint8_t*, const moe::TensorMap&, "
         "const moe::TensorMap&, long long*, float*, cudaStream_t);\n"
         for n in wide_stage_loop.TOKENS for f in range(len(wide_stage_loop.FEEDS))))
-    build = subprocess.run(["nvcc", "-c", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                            "-Xptxas", "-v", "-o", str(tmp_path / "loop.o"), str(source)],
-                           capture_output=True, text=True, timeout=900)
-    assert build.returncode == 0, build.stdout + build.stderr
-    assert "C75" not in build.stderr, build.stderr   # ptxas serialising the MMAs would void the timing
-    reports = [r for r in build.stderr.split("Compiling entry function")[1:] if "loop_kernel" in r.split()[0]]
-    assert len(reports) == len(wide_stage_loop.TOKENS) * len(wide_stage_loop.FEEDS), build.stderr
-    assert all(re.search(r"\b0 bytes spill stores", r) for r in reports), reports
-    sass = subprocess.run(["cuobjdump", "-sass", str(tmp_path / "loop.o")], capture_output=True, text=True,
-                          check=True).stdout
-    functions = [f for f in re.split(r"Function : ", sass)[1:] if "loop_kernel" in f.split()[0]]
+    assert returncode == 0, report
+    assert "C75" not in report, report   # ptxas serialising the MMAs would void the timing
+    loops = [kernel for kernel in kernel_resources.ptxas_kernels(report) if "loop_kernel" in kernel[0]]
+    assert len(loops) == len(wide_stage_loop.TOKENS) * len(wide_stage_loop.FEEDS), report
+    assert all(stores == "0" for _, _, stores, _ in loops), loops
+    functions = {name: sass for name, sass in kernel_resources.sass_functions(str(tmp_path)).items()
+                 if "loop_kernel" in name}
     assert len(functions) == len(wide_stage_loop.TOKENS) * len(wide_stage_loop.FEEDS)
-    for function in functions:
-        n, feed = map(int, re.search(r"loop_kernelILi(\d+)ELi(\d)E", function.split()[0]).groups())
+    for name, function in functions.items():
+        n, feed = map(int, re.search(r"loop_kernelILi(\d+)ELi(\d)E", name).groups())
         shapes = set(re.findall(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3", function))
         assert shapes == {f"64x{n}x32"}, (n, feed, shapes)
         loads = ("UTMALDG" in function, "LDGSTS" in function)

@@ -59,16 +59,24 @@ int main() {
 """
 
 
-def ptxas_report(folder: str) -> tuple:
+def ptxas_report(folder: str, source_text: str = "") -> tuple:
     """(nvcc's exit status, its output with ptxas's per-kernel report) for
-    solution.py's device code compiled for sm_90a in folder: the build
-    tests/test_solution.py holds to no spills, and registers() prints."""
+    solution.py's device code (or source_text: the microbenchmarks') compiled
+    for sm_90a into folder/kernels.o: the build tests/test_solution.py holds
+    to no spills, and registers() prints."""
     source = os.path.join(folder, "kernels.cu")
     with open(source, "w") as f:
-        f.write(solution.KERNEL_SOURCE)
+        f.write(source_text or solution.KERNEL_SOURCE)
     result = subprocess.run(["nvcc", "-std=c++17", "-O3", *ARCH, "-Xptxas", "-v", "-c", source,
                              "-o", os.path.join(folder, "kernels.o")], capture_output=True, text=True, timeout=600)
     return result.returncode, result.stdout + result.stderr
+
+
+def sass_functions(folder: str) -> dict:
+    """Each kernel's SASS in folder/kernels.o (ptxas_report's), by mangled name (cuobjdump)."""
+    sass = subprocess.run(["cuobjdump", "-sass", os.path.join(folder, "kernels.o")], capture_output=True, text=True,
+                          check=True).stdout
+    return {function.split()[0]: function for function in re.split(r"Function : ", sass)[1:]}
 
 
 def ptxas_kernels(report: str) -> list:

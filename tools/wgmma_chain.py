@@ -147,14 +147,9 @@ void run_chain(int64_t tokens, int64_t mode, int64_t steps, torch::Tensor cycles
 
 def build():
     import torch
-    from torch.utils.cpp_extension import load_inline
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
-    build_dir = os.path.join(solution._cache_root(), "wgmma_chain")
-    os.makedirs(build_dir, exist_ok=True)
-    return load_inline(name="wgmma_chain", cpp_sources="void run_chain(int64_t, int64_t, int64_t, torch::Tensor, "
-                       "torch::Tensor);", cuda_sources=KERNEL_SOURCE + HOST_SOURCE, functions=["run_chain"],
-                       extra_cuda_cflags=solution.NVCC_FLAGS, extra_ldflags=solution.LINK_FLAGS,
-                       build_directory=build_dir, verbose=False), torch
+    build_dir = solution._writable_dir(os.path.join(solution._cache_root(), "wgmma_chain"))
+    return solution._load_extension("wgmma_chain", "9.0a", build_dir, "void run_chain(int64_t, int64_t, int64_t, "
+                                    "torch::Tensor, torch::Tensor);", KERNEL_SOURCE + HOST_SOURCE, "run_chain"), torch
 
 
 def main() -> int:

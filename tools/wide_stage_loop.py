@@ -390,14 +390,10 @@ SOURCE = solution.KERNEL_SOURCE + LOOP_KERNEL_SOURCE + solution.HOST_SOURCE + LO
 
 def build():
     import torch
-    from torch.utils.cpp_extension import load_inline
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
-    build_dir = os.path.join(solution._cache_root(), "wide_stage_loop")
-    os.makedirs(build_dir, exist_ok=True)
-    return load_inline(name="wide_stage_loop", cpp_sources="void run_loop(int64_t, int64_t, int64_t, torch::Tensor, "
-                       "torch::Tensor, torch::Tensor, torch::Tensor);", cuda_sources=SOURCE, functions=["run_loop"],
-                       extra_cuda_cflags=solution.NVCC_FLAGS, extra_ldflags=solution.LINK_FLAGS,
-                       build_directory=build_dir, verbose=False), torch
+    build_dir = solution._writable_dir(os.path.join(solution._cache_root(), "wide_stage_loop"))
+    return solution._load_extension("wide_stage_loop", "9.0a", build_dir, "void run_loop(int64_t, int64_t, int64_t, "
+                                    "torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);", SOURCE,
+                                    "run_loop"), torch
 
 
 def main() -> int:
