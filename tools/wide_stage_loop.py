@@ -23,6 +23,10 @@ no epilogue. The ring's slots are fed one of five ways,
              it: four loading warps, 16-byte cp.async copies of the tokens'
              rows and a scale word per weight row, a copy group a stage,
              the previous stage marked full once its group has landed
+             (slower here than in the kernel: 2,115 cycles a stage at 144
+             tokens against the kernel's ~1,550, and the kernel did not
+             speed up when its loaders stopped waiting for their copies;
+             BENCHMARKS, thirty-eighth session)
 
 and, for the other design (ss_loop_kernel), four warps of their own fold
 the fp4 weights into e4m3 bytes in the slot and the consumers' MMAs take
