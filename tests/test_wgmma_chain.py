@@ -1,7 +1,6 @@
 """tools/wgmma_chain.py: its kernels build for sm_90a and issue the MMAs each
 order names (no GPU needed); on an sm_90 GPU, the tool runs."""
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -24,12 +23,10 @@ def test_every_mode_builds_for_sm90a_and_issues_its_mmas(tmp_path):
         for n in wgmma_chain.TOKENS for m in range(len(wgmma_chain.MODES))))
     assert returncode == 0, report
     assert "C75" not in report, report   # ptxas serialising the MMAs would void the timing
-    functions = {name: sass for name, sass in kernel_resources.sass_functions(str(tmp_path)).items()
-                 if "chain_kernel" in name}
-    assert len(functions) == len(wgmma_chain.TOKENS) * len(wgmma_chain.MODES)
-    for name, function in functions.items():
-        n, mode = map(int, re.search(r"chain_kernelILi(\d+)ELi(\d)E", name).groups())
-        shapes = set(re.findall(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3", function))
+    kernels = kernel_resources.int_template_kernels(str(tmp_path), "chain_kernel")
+    assert len(kernels) == len(wgmma_chain.TOKENS) * len(wgmma_chain.MODES)
+    for (n, mode), sass in kernels.items():
+        shapes = kernel_resources.qgmma_shapes(sass)
         assert shapes == {EXPECTED_SHAPE[mode].format(n=n, h=n // 2)}, (n, mode, shapes)
 
 

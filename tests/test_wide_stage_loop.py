@@ -2,7 +2,6 @@
 serialised MMAs, each issuing the folded consumers' e4m3 MMAs and only the
 loads its feed names (no GPU needed); on an sm_90 GPU, the tool runs."""
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -31,14 +30,12 @@ def test_every_feed_builds_for_sm90a_and_issues_its_loads(tmp_path):
     loops = [kernel for kernel in kernel_resources.ptxas_kernels(report) if "loop_kernel" in kernel[0]]
     assert len(loops) == len(wide_stage_loop.TOKENS) * len(wide_stage_loop.FEEDS), report
     assert all(stores == "0" for _, _, stores, _ in loops), loops
-    functions = {name: sass for name, sass in kernel_resources.sass_functions(str(tmp_path)).items()
-                 if "loop_kernel" in name}
-    assert len(functions) == len(wide_stage_loop.TOKENS) * len(wide_stage_loop.FEEDS)
-    for name, function in functions.items():
-        n, feed = map(int, re.search(r"loop_kernelILi(\d+)ELi(\d)E", name).groups())
-        shapes = set(re.findall(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3", function))
+    kernels = kernel_resources.int_template_kernels(str(tmp_path), "loop_kernel")   # stage_ and ss_loop_kernel
+    assert len(kernels) == len(wide_stage_loop.TOKENS) * len(wide_stage_loop.FEEDS)
+    for (n, feed), sass in kernels.items():
+        shapes = kernel_resources.qgmma_shapes(sass)
         assert shapes == {f"64x{n}x32"}, (n, feed, shapes)
-        loads = ("UTMALDG" in function, "LDGSTS" in function)
+        loads = ("UTMALDG" in sass, "LDGSTS" in sass)
         assert loads == EXPECTED_LOADS[wide_stage_loop.FEEDS[feed]], (n, feed, loads)
 
 

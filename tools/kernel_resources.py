@@ -79,6 +79,22 @@ def sass_functions(folder: str) -> dict:
     return {function.split()[0]: function for function in re.split(r"Function : ", sass)[1:]}
 
 
+def int_template_kernels(folder: str, kernel: str) -> dict:
+    """The SASS of each instantiation kernel<A, B> (two int arguments) in
+    folder/kernels.o, by (A, B): the microbenchmarks' kernels."""
+    found = {}
+    for name, sass in sass_functions(folder).items():
+        match = re.search(kernel + r"ILi(\d+)ELi(\d+)E", name)
+        if match:
+            found[tuple(map(int, match.groups()))] = sass
+    return found
+
+
+def qgmma_shapes(sass: str) -> set:
+    """The shapes (as "64x144x32") of the e4m3 warpgroup MMAs a kernel's SASS issues."""
+    return set(re.findall(r"QGMMA\.(\d+x\d+x\d+)\.F32\.E4M3\.E4M3", sass))
+
+
 def ptxas_kernels(report: str) -> list:
     """(mangled name, registers, spill store bytes, spill load bytes) of each
     kernel in ptxas's -v report, in its order."""

@@ -340,7 +340,7 @@ ss_loop_kernel(int units, int unit_stages, int act_rows, int weight_rows, long l
             mbarrier_arrive_if(&empty[(s + kRing - 1) % kRing], s > 0);
         }
         wgmma_wait<0>();
-        total += acc[0][0];   // row 16 warp + g, token 2t: 7168 products of 1.0 a unit (not for no_fold)
+        total += acc[0][0];   // 7168 products of 1.0 a unit
     }
     const long long stop = clock64();
     sink[blockIdx.x * W::kConsumerWarps * 32 + tid] = total;
