@@ -154,6 +154,19 @@ MOE_HD float e2m1_value(uint32_t code) {
     const float magnitude = c < 4u ? 0.5f * (float)c : (float)(c & 1u ? 3u << ((c >> 1) - 2) : 2u << ((c >> 1) - 2));
     return code & 8u ? -magnitude : magnitude;
 }
+// e2m1_value(e2m1_code(x)) without the code: the same roundings (below 1,
+// to a multiple of 0.5 through the fma; from 1, to one mantissa bit, ties
+// to even), kept as a float and given x's sign. About half the
+// instructions, in the Qa of every bf16-activation kernel (the wide stage
+// 1's unit epilogue, about 81 instructions a 32-value block, cost 84 of
+// d2048's 441-us stage 1 on an H200).
+MOE_HD float e2m1_round(float x) {
+    const float a = fabsf(x);
+    const float halves = (fmaf(a, 2.0f, 8388608.0f) - 8388608.0f) * 0.5f;
+    const uint32_t bits = float_to_bits(a < 6.0f ? a : 6.0f);   // NaN too becomes 6
+    const float binade = bits_to_float((bits + 0x1FFFFFu + (bits >> 22 & 1u)) & 0xFFC00000u);
+    return bits_to_float(float_to_bits(a < 1.0f ? halves : binade) | (float_to_bits(x) & 0x80000000u));
+}
 
 // The GEMMs run bf16 MMAs on operands that carry their block scales: every
 // E2M1 value times a power of two is exact in bf16, so the MMA's fp32
@@ -336,7 +349,9 @@ __device__ __forceinline__ uint32_t qa_code(float v, int e) {
 }
 // Qa's dequantised value of v: code * 2^e, exact in bf16.
 __device__ __forceinline__ float qa_value(float v, int e) {
-    return e2m1_value(qa_code(v, e)) * exact_pow2(e);
+    const float inv_half = bits_to_float((uint32_t)(127 - (e >> 1)) << 23);
+    const float inv_rest = bits_to_float((uint32_t)(127 - (e - (e >> 1))) << 23);
+    return e2m1_round(v * inv_half * inv_rest) * exact_pow2(e);
 }
 
 // Qa of N 32-value blocks, one value of each per lane (SPEC section 4), in
@@ -2125,27 +2140,39 @@ constexpr int kStage1HStride = kStage1Columns + 4;
 
 // Qa of a stage-1 tile's SwiGLU values in shared memory (h: rows x
 // kStage1HStride floats, two 32-column blocks a row, columns from col0)
-// into inter (and inter_scale for kFp8), by `warps` warps: warp w takes
-// items w, w + warps, ... (item = row * 2 + block), kGroup at a time.
-template <bool kFp8, int kGroup>
-__device__ __forceinline__ void quantize_h_rows(const float* h, int rows, int warp, int warps, int lane,
-                                                int row_start, int col0, int d_expert_pad,
-                                                uint8_t* __restrict__ inter, float* __restrict__ inter_scale) {
-    const int items = rows * 2;
-    for (int first = warp; first < items; first += kGroup * warps) {
+// into inter (and inter_scale for kFp8), by kWarps warps: warp w takes
+// items w, w + kWarps, ... (item = row * 2 + block), kGroup at a time. With
+// kWarps even those are all of block w & 1, rows w / 2 + kWarps / 2 * k,
+// so each item's destination is the last one's plus a fixed step: the
+// addresses, recomputed per item from the row, were about half of the
+// wide stage 1 epilogue's Qa loop (SASS, 144 tokens).
+template <bool kFp8, int kGroup, int kWarps>
+__device__ __forceinline__ void quantize_h_rows(const float* h, int rows, int warp, int lane, int row_start,
+                                                int col0, int d_expert_pad, uint8_t* __restrict__ inter,
+                                                float* __restrict__ inter_scale) {
+    static_assert(kWarps % 2 == 0, "a warp's items all of one block");
+    constexpr int kRowStep = kWarps / 2, kValueBytes = kFp8 ? 1 : 2;
+    const int block = warp & 1, first_row = warp >> 1;
+    const size_t row_bytes = (size_t)d_expert_pad * kValueBytes;
+    uint8_t* dst_row = inter + ((size_t)(row_start + first_row) * d_expert_pad + col0 + block * kScaleBlock)
+                       * kValueBytes;
+    float* scale_row = kFp8 ? inter_scale + (size_t)(row_start + first_row) * (d_expert_pad / kScaleBlock)
+                              + col0 / kScaleBlock + block
+                            : nullptr;
+    for (int row = first_row; row < rows; row += kGroup * kRowStep) {
         float v[kGroup];
         uint8_t* dst[kGroup];
         float* scale[kGroup];
 #pragma unroll
         for (int i = 0; i < kGroup; ++i) {
-            const int item = min(first + i * warps, items - 1);   // past the end: computed, not stored
-            const int token = item >> 1, block = item & 1;
-            const size_t row = row_start + token, col = col0 + block * kScaleBlock;
-            v[i] = h[token * kStage1HStride + block * kScaleBlock + lane];
-            dst[i] = inter + (row * d_expert_pad + col) * (kFp8 ? 1 : 2);
-            scale[i] = kFp8 ? inter_scale + row * (d_expert_pad / kScaleBlock) + col / kScaleBlock : nullptr;
+            // Rows past the tile's: h's last row, computed, not stored.
+            v[i] = h[min(row + i * kRowStep, rows - 1) * kStage1HStride + block * kScaleBlock + lane];
+            dst[i] = dst_row + (size_t)(i * kRowStep) * row_bytes;
+            scale[i] = kFp8 ? scale_row + (size_t)(i * kRowStep) * (d_expert_pad / kScaleBlock) : nullptr;
         }
-        quantize_blocks_warp<kFp8, kGroup>(v, (items - first + warps - 1) / warps, lane, dst, scale);
+        quantize_blocks_warp<kFp8, kGroup>(v, (rows - row + kRowStep - 1) / kRowStep, lane, dst, scale);
+        dst_row += (size_t)(kGroup * kRowStep) * row_bytes;
+        if constexpr (kFp8) scale_row += (size_t)(kGroup * kRowStep) * (d_expert_pad / kScaleBlock);
     }
 }
 
@@ -2284,7 +2311,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // kernels of 24 and 32 tokens sit at their 128-register cap, and spilled
     // at two.
     constexpr int kQaGroup = kFolded ? 4 : 1;
-    quantize_h_rows<FP8, kQaGroup>(h, tile.rows, warp, S::kWarps, lane, tile.row_start, col0, d_expert_pad, inter,
+    quantize_h_rows<FP8, kQaGroup, S::kWarps>(h, tile.rows, warp, lane, tile.row_start, col0, d_expert_pad, inter,
                                    inter_scale);
 }
 
@@ -3396,8 +3423,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                 h[(nt * 8 + 2 * t + j) * kStage1HStride + local_col] =
                     unit.col0 + local_col < d_expert ? swiglu_bf16(acc[nt][j], acc[nt][2 + j]) : 0.0f;
         named_barrier_sync(1, W::kConsumerWarps * 32);
-        quantize_h_rows<false, 4>(h, unit.tile.rows, warp, W::kConsumerWarps, lane, unit.tile.row_start, unit.col0,
-                                  d_expert_pad, inter, nullptr);
+        quantize_h_rows<false, 4, W::kConsumerWarps>(h, unit.tile.rows, warp, lane, unit.tile.row_start, unit.col0,
+                                                     d_expert_pad, inter, nullptr);
         named_barrier_sync(1, W::kConsumerWarps * 32);   // h is free again
     }
 }

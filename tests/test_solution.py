@@ -823,6 +823,7 @@ int main() {
         unsigned int out = 0;
         if (!strcmp(kind, "code")) out = moe::e2m1_code(f);
         else if (!strcmp(kind, "value")) out = moe::float_to_bits(moe::e2m1_value(x));
+        else if (!strcmp(kind, "round")) out = moe::float_to_bits(moe::e2m1_round(f));
         else if (!strcmp(kind, "pair0")) out = moe::fp4_pair_to_bf16<0>(x);
         else if (!strcmp(kind, "pair1")) out = moe::fp4_pair_to_bf16<1>(x);
         else if (!strcmp(kind, "pair2")) out = moe::fp4_pair_to_bf16<2>(x);
@@ -981,6 +982,23 @@ def test_e2m1_code_matches_the_reference(helpers):
 def test_e2m1_values_match_the_reference(helpers):
     got = torch.tensor(helpers("value", range(16)), dtype=torch.int64).to(torch.int32).view(torch.float32)
     assert torch.equal(got, reference.e2m1_decode(torch.arange(16)).float())
+
+
+def test_e2m1_round_is_the_value_of_the_code(helpers):
+    """e2m1_round(x), Qa's rounding kept as a float, is bit for bit
+    e2m1_value(e2m1_code(x)): every rounding boundary of E2M1 (0.25, 0.75,
+    1.25, 1.75, 2.5, 3.5, 5 and 6) and a few ulps either side, both signs,
+    zeros, subnormals, infinities, NaN, and random floats of every binade."""
+    gen = torch.Generator().manual_seed(46)
+    edges = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0,
+                          1e-45, 1e-38, 1e30, float("inf"), float("nan")], dtype=torch.float32)
+    near = (edges.view(torch.int32).unsqueeze(1) + torch.arange(-3, 4, dtype=torch.int32)).flatten()
+    random_bits = torch.randint(0, 2 ** 31, (20000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    scaled = (torch.rand(20000, generator=gen) * 8).view(torch.int32)
+    bits = torch.cat([near, near | torch.tensor(-2 ** 31, dtype=torch.int32), random_bits, scaled,
+                      scaled | torch.tensor(-2 ** 31, dtype=torch.int32)]).tolist()
+    codes = helpers("code", bits)
+    assert helpers("round", bits) == helpers("value", codes)
 
 
 def e4m3_bytes(values):
