@@ -156,10 +156,10 @@ MOE_HD float e2m1_value(uint32_t code) {
 }
 // e2m1_value(e2m1_code(x)) without the code: the same roundings (below 1,
 // to a multiple of 0.5 through the fma; from 1, to one mantissa bit, ties
-// to even), kept as a float and given x's sign. About half the
-// instructions, in the Qa of every bf16-activation kernel (the wide stage
-// 1's unit epilogue, about 81 instructions a 32-value block, cost 84 of
-// d2048's 441-us stage 1 on an H200).
+// to even), kept as a float and given x's sign. For the Qa of the bf16
+// activations: the wide stage 1's unit epilogue, whose Qa loop it takes
+// from 352 to 304 instructions per four blocks (SASS, 144 tokens), cost 84
+// of d2048's 441-us stage 1 (H200).
 MOE_HD float e2m1_round(float x) {
     const float a = fabsf(x);
     const float halves = (fmaf(a, 2.0f, 8388608.0f) - 8388608.0f) * 0.5f;
@@ -340,18 +340,19 @@ MOE_HD float exact_pow2(int e) {
     return bits_to_float((uint32_t)(127 + (e >> 1)) << 23) * bits_to_float((uint32_t)(127 + (e - (e >> 1))) << 23);
 }
 
-// Qa's E2M1 code of v in a block of exponent e. v * 2^-e is taken in two
-// exact steps (see exact_pow2).
-__device__ __forceinline__ uint32_t qa_code(float v, int e) {
+// v * 2^-e for a block of exponent e, in two exact steps (see exact_pow2).
+__device__ __forceinline__ float qa_unscaled(float v, int e) {
     const float inv_half = bits_to_float((uint32_t)(127 - (e >> 1)) << 23);
     const float inv_rest = bits_to_float((uint32_t)(127 - (e - (e >> 1))) << 23);
-    return e2m1_code(v * inv_half * inv_rest);
+    return v * inv_half * inv_rest;
+}
+// Qa's E2M1 code of v in a block of exponent e.
+__device__ __forceinline__ uint32_t qa_code(float v, int e) {
+    return e2m1_code(qa_unscaled(v, e));
 }
 // Qa's dequantised value of v: code * 2^e, exact in bf16.
 __device__ __forceinline__ float qa_value(float v, int e) {
-    const float inv_half = bits_to_float((uint32_t)(127 - (e >> 1)) << 23);
-    const float inv_rest = bits_to_float((uint32_t)(127 - (e - (e >> 1))) << 23);
-    return e2m1_round(v * inv_half * inv_rest) * exact_pow2(e);
+    return e2m1_round(qa_unscaled(v, e)) * exact_pow2(e);
 }
 
 // Qa of N 32-value blocks, one value of each per lane (SPEC section 4), in
@@ -2143,9 +2144,9 @@ constexpr int kStage1HStride = kStage1Columns + 4;
 // into inter (and inter_scale for kFp8), by kWarps warps: warp w takes
 // items w, w + kWarps, ... (item = row * 2 + block), kGroup at a time. With
 // kWarps even those are all of block w & 1, rows w / 2 + kWarps / 2 * k,
-// so each item's destination is the last one's plus a fixed step: the
-// addresses, recomputed per item from the row, were about half of the
-// wide stage 1 epilogue's Qa loop (SASS, 144 tokens).
+// so each item's destination is the last one's plus a fixed step
+// (recomputed per item from its row, the wide stage 1 epilogue's Qa loop
+// took 304 instructions per four blocks; 257 this way: SASS, 144 tokens).
 template <bool kFp8, int kGroup, int kWarps>
 __device__ __forceinline__ void quantize_h_rows(const float* h, int rows, int warp, int lane, int row_start,
                                                 int col0, int d_expert_pad, uint8_t* __restrict__ inter,
@@ -2312,7 +2313,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // at two.
     constexpr int kQaGroup = kFolded ? 4 : 1;
     quantize_h_rows<FP8, kQaGroup, S::kWarps>(h, tile.rows, warp, lane, tile.row_start, col0, d_expert_pad, inter,
-                                   inter_scale);
+                                              inter_scale);
 }
 
 // The end of a K-split stage 1: warp (kRows rows from kRows*blockIdx.x,
