@@ -2139,41 +2139,89 @@ __global__ void __launch_bounds__(kFallbackThreads) folded_fallback_kernel(
 constexpr int kStage1Columns = kRows / 2;  // intermediate columns per CTA
 constexpr int kStage1HStride = kStage1Columns + 4;
 
+// The bf16 form (kFp8 false) of quantize_h_rows: lane 4r + j of warp w
+// takes row 8 (w / 2) + r (then kWarps * 4 rows further, ...) of block w & 1,
+// the block's values j, j + 4, ..., j + 28, whose act_positions are
+// 8j..8j+7: the block's max is two shuffles among four lanes, its output
+// one 16-byte store a lane, and the reads of h conflict-free (bank 4r + j +
+// 4m). The magnitudes' bit patterns compared as integers order them as
+// floats do and put NaN above infinity, so the same max says whether the
+// block has a NaN. The wide stage 1's epilogue time follows its
+// instructions (its Qa loop 352 -> 257 a four blocks took d2048's stage 1
+// from 435 to 426 us, H200): a block here is a quarter of that.
+template <int kWarps>
+__device__ __forceinline__ void quantize_h_rows_bf16(const float* h, int rows, int warp, int lane, int row_start,
+                                                     int col0, int d_expert_pad, uint8_t* __restrict__ inter) {
+    constexpr int kRowStep = kWarps / 2 * 8;
+    const int j = lane & 3, block = warp & 1;
+    const float* src = h + block * kScaleBlock + j;
+    __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(inter) + (size_t)row_start * d_expert_pad + col0
+                         + block * kScaleBlock + 8 * j;
+    for (int first = (warp >> 1) * 8; first < rows; first += kRowStep) {
+        const int row = first + (lane >> 2);
+        // Rows past the tile's: h's last row, computed, not stored.
+        const float* row_src = src + min(row, rows - 1) * kStage1HStride;
+        float v[8];
+        uint32_t amax_bits = 0;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            v[m] = row_src[4 * m];
+            amax_bits = max(amax_bits, float_to_bits(v[m]) & 0x7FFFFFFFu);
+        }
+#pragma unroll
+        for (int offset = 1; offset < 4; offset <<= 1)
+            amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, offset));
+        const bool has_nan = amax_bits > 0x7F800000u;
+        const int e = qa_exponent(bits_to_float(amax_bits));
+        uint32_t words[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(qa_value(v[2 * q], e), qa_value(v[2 * q + 1], e));
+            words[q] = has_nan ? 0x7FC07FC0u : *reinterpret_cast<const uint32_t*>(&pair);
+        }
+        if (row < rows)
+            *reinterpret_cast<uint4*>(dst + (size_t)row * d_expert_pad) = make_uint4(words[0], words[1], words[2],
+                                                                                      words[3]);
+    }
+}
 // Qa of a stage-1 tile's SwiGLU values in shared memory (h: rows x
 // kStage1HStride floats, two 32-column blocks a row, columns from col0)
-// into inter (and inter_scale for kFp8), by kWarps warps: warp w takes
+// into inter (and inter_scale for kFp8), by kWarps warps. kFp8 (the bf16
+// form is quantize_h_rows_bf16's, above): warp w takes
 // items w, w + kWarps, ... (item = row * 2 + block), kGroup at a time. With
 // kWarps even those are all of block w & 1, rows w / 2 + kWarps / 2 * k,
 // so each item's destination is the last one's plus a fixed step
-// (recomputed per item from its row, the wide stage 1 epilogue's Qa loop
-// took 304 instructions per four blocks; 257 this way: SASS, 144 tokens).
+// (recomputed per item from its row, a Qa loop of four blocks took 304
+// instructions, 257 this way: SASS of the wide stage 1, when it ran this
+// form).
 template <bool kFp8, int kGroup, int kWarps>
 __device__ __forceinline__ void quantize_h_rows(const float* h, int rows, int warp, int lane, int row_start,
                                                 int col0, int d_expert_pad, uint8_t* __restrict__ inter,
                                                 float* __restrict__ inter_scale) {
     static_assert(kWarps % 2 == 0, "a warp's items all of one block");
-    constexpr int kRowStep = kWarps / 2, kValueBytes = kFp8 ? 1 : 2;
-    const int block = warp & 1, first_row = warp >> 1;
-    const size_t row_bytes = (size_t)d_expert_pad * kValueBytes;
-    uint8_t* dst_row = inter + ((size_t)(row_start + first_row) * d_expert_pad + col0 + block * kScaleBlock)
-                       * kValueBytes;
-    float* scale_row = kFp8 ? inter_scale + (size_t)(row_start + first_row) * (d_expert_pad / kScaleBlock)
-                              + col0 / kScaleBlock + block
-                            : nullptr;
-    for (int row = first_row; row < rows; row += kGroup * kRowStep) {
-        float v[kGroup];
-        uint8_t* dst[kGroup];
-        float* scale[kGroup];
+    if constexpr (!kFp8) {
+        quantize_h_rows_bf16<kWarps>(h, rows, warp, lane, row_start, col0, d_expert_pad, inter);
+    } else {
+        constexpr int kRowStep = kWarps / 2;
+        const int block = warp & 1, first_row = warp >> 1;
+        uint8_t* dst_row = inter + (size_t)(row_start + first_row) * d_expert_pad + col0 + block * kScaleBlock;
+        float* scale_row = inter_scale + (size_t)(row_start + first_row) * (d_expert_pad / kScaleBlock)
+                           + col0 / kScaleBlock + block;
+        for (int row = first_row; row < rows; row += kGroup * kRowStep) {
+            float v[kGroup];
+            uint8_t* dst[kGroup];
+            float* scale[kGroup];
 #pragma unroll
-        for (int i = 0; i < kGroup; ++i) {
-            // Rows past the tile's: h's last row, computed, not stored.
-            v[i] = h[min(row + i * kRowStep, rows - 1) * kStage1HStride + block * kScaleBlock + lane];
-            dst[i] = dst_row + (size_t)(i * kRowStep) * row_bytes;
-            scale[i] = kFp8 ? scale_row + (size_t)(i * kRowStep) * (d_expert_pad / kScaleBlock) : nullptr;
+            for (int i = 0; i < kGroup; ++i) {
+                // Rows past the tile's: h's last row, computed, not stored.
+                v[i] = h[min(row + i * kRowStep, rows - 1) * kStage1HStride + block * kScaleBlock + lane];
+                dst[i] = dst_row + (size_t)(i * kRowStep) * d_expert_pad;
+                scale[i] = scale_row + (size_t)(i * kRowStep) * (d_expert_pad / kScaleBlock);
+            }
+            quantize_blocks_warp<true, kGroup>(v, (rows - row + kRowStep - 1) / kRowStep, lane, dst, scale);
+            dst_row += (size_t)(kGroup * kRowStep) * d_expert_pad;
+            scale_row += (size_t)(kGroup * kRowStep) * (d_expert_pad / kScaleBlock);
         }
-        quantize_blocks_warp<kFp8, kGroup>(v, (rows - row + kRowStep - 1) / kRowStep, lane, dst, scale);
-        dst_row += (size_t)(kGroup * kRowStep) * row_bytes;
-        if constexpr (kFp8) scale_row += (size_t)(kGroup * kRowStep) * (d_expert_pad / kScaleBlock);
     }
 }
 

@@ -1035,6 +1035,14 @@ def test_folded_words_follow_the_table_and_the_fragment_order(helpers):
             assert positions[8 * t + j] == 4 * t + j and positions[8 * t + 4 + j] == 16 + 4 * t + j
 
 
+def test_bf16_qa_lanes_store_eight_neighbouring_positions(helpers):
+    """quantize_h_rows_bf16's lane j of a block (j in 0..3) takes values j,
+    j + 4, ..., j + 28 and stores them as positions 8j..8j+7 in one 16-byte
+    store: value j + 4m must sit at act_position 8j + m."""
+    positions = helpers("position", range(32))
+    assert [positions[j + 4 * m] for j in range(4) for m in range(8)] == list(range(32))
+
+
 def test_fp4_pairs_are_bf16_values_times_2_pow_minus_126(helpers):
     words = [0, 0xFFFFFFFF, 0x88888888, 0x12345678, 0x9ABCDEF0]
     words += torch.randint(0, 2 ** 32, (300,), generator=torch.Generator().manual_seed(2)).tolist()
