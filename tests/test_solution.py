@@ -452,6 +452,20 @@ def test_folded_stage1_in_and_past_its_window(shift, config):
 
 
 @needs_cuda
+@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
+def test_wide_stage1_ctas_over_several_whole_k_units(config):
+    """Stage 1's K whole over more units than CTAs (1,024 intermediate
+    columns: 16 per tile, 20 tiles of 144 tokens, 40 of 64, over at most
+    132 CTAs): a CTA's loaders fill the next unit's stages while its
+    consumers run a unit's SwiGLU and Qa, and the units after a CTA's first
+    write other tiles' rows and columns (full tiles and part-full ones: the
+    experts' token counts vary around 128)."""
+    data = reference.generate_input(1024, 1024, 16, 4, 1, 512, 51)
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(data, run=lambda d: solution._run_kernels(module, d, config, stage1_splits=1))
+
+
+@needs_cuda
 @pytest.mark.parametrize("shift", [-8, -4, 3, 8], ids=lambda n: f"shift{n}")
 def test_folded_wide_stage2_in_and_past_its_window(shift):
     """The same for the 144-token wide stage 2's down-weight rows: moved by
