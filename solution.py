@@ -2146,9 +2146,11 @@ constexpr int kStage1HStride = kStage1Columns + 4;
 // one 16-byte store a lane, and the reads of h conflict-free (bank 4r + j +
 // 4m). The magnitudes' bit patterns compared as integers order them as
 // floats do and put NaN above infinity, so the same max says whether the
-// block has a NaN. The wide stage 1's epilogue time follows its
-// instructions (its Qa loop 352 -> 257 a four blocks took d2048's stage 1
-// from 435 to 426 us, H200): a block here is a quarter of that.
+// block has a NaN. Against the per-lane form below (the E4M3 one): 173 SASS
+// instructions per eight blocks, not 257 per four, and two dependent
+// shuffles, not five and a vote. The wide stage 1's consumers run Qa in
+// line with their MMAs, so its instructions and chains are theirs: d2048's
+// stage 1 took 423 us with that form, 398 with this one (H200).
 template <int kWarps>
 __device__ __forceinline__ void quantize_h_rows_bf16(const float* h, int rows, int warp, int lane, int row_start,
                                                      int col0, int d_expert_pad, uint8_t* __restrict__ inter) {
@@ -3472,8 +3474,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                 h[(nt * 8 + 2 * t + j) * kStage1HStride + local_col] =
                     unit.col0 + local_col < d_expert ? swiglu_bf16(acc[nt][j], acc[nt][2 + j]) : 0.0f;
         named_barrier_sync(1, W::kConsumerWarps * 32);
-        quantize_h_rows<false, 4, W::kConsumerWarps>(h, unit.tile.rows, warp, lane, unit.tile.row_start, unit.col0,
-                                                     d_expert_pad, inter, nullptr);
+        quantize_h_rows_bf16<W::kConsumerWarps>(h, unit.tile.rows, warp, lane, unit.tile.row_start, unit.col0,
+                                                d_expert_pad, inter);
         named_barrier_sync(1, W::kConsumerWarps * 32);   // h is free again
     }
 }
