@@ -1,8 +1,9 @@
 """tools/device_check.sh, run with a fake python3, nvidia-smi and
 compute-sanitizer on PATH (no GPU): nothing runs after a failed build, the
 A/B step leaves out versions whose smoke check fails or hangs and times
-nothing when the base or the checkout fails, and the robust step's two
-halves run on their own."""
+nothing when the base or the checkout fails, a lean call's switches
+(PYTEST_K, AB_TIMELINE=0) take effect, and the robust step's two halves
+run on their own."""
 import os
 import shutil
 import subprocess
@@ -26,9 +27,10 @@ echo "python3 $*"
 """
 
 
-def run_script(tmp_path, checkout, versions, parts):
+def run_script(tmp_path, checkout, versions, parts, **env_extra):
     """stdout of device_check.sh PARTS in a fake repository whose
-    solution.py holds `checkout` and .ab/ the `versions` (name: text)."""
+    solution.py holds `checkout` and .ab/ the `versions` (name: text),
+    with env_extra added to the environment."""
     if shutil.which("timeout") is None:
         pytest.skip("needs coreutils timeout")
     repo = tmp_path / "repo"
@@ -46,14 +48,16 @@ def run_script(tmp_path, checkout, versions, parts):
                        ("compute-sanitizer", "#!/bin/bash\necho \"compute-sanitizer $*\"\n")):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    # The script's own switches come from env_extra only, not from the caller's environment.
+    env = {name: value for name, value in os.environ.items() if name not in ("PYTEST_K", "AB_TIMELINE", "AB_SHAPES")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), **env_extra)
     run = subprocess.run(["bash", str(repo / "tools" / "device_check.sh"), *parts], capture_output=True, text=True,
                          env=env, timeout=120)
     return run.stdout
 
 
-def run_ab(tmp_path, checkout, versions):
-    out = run_script(tmp_path, checkout, versions, ["ab"])
+def run_ab(tmp_path, checkout, versions, **env_extra):
+    out = run_script(tmp_path, checkout, versions, ["ab"], **env_extra)
     return out, [line for line in out.splitlines() if line.startswith("python3 tools/ab_bench.py .ab")]
 
 
@@ -80,6 +84,22 @@ def test_ab_writes_the_timelines_of_the_checked_versions(tmp_path):
     log = (tmp_path / "out" / "ab_timeline.log").read_text().splitlines()
     assert log == [f"python3 tools/profile_kernels.py --timeline {n} .ab/base.py solution.py .ab/candidate_good.py"
                    for n in range(7)]
+
+
+def test_ab_without_timelines_when_asked(tmp_path):
+    out, timing = run_ab(tmp_path, "ok", {"base.py": "ok", "candidate_good.py": "ok"}, AB_TIMELINE="0")
+    assert timing == ["python3 tools/ab_bench.py .ab/base.py solution.py .ab/candidate_good.py"], out
+    assert not (tmp_path / "out" / "ab_timeline.log").exists() and "ab_timeline.log" not in out, out
+
+
+@pytest.mark.parametrize("selection", [None, "wide or nan"])
+def test_tests_run_the_selected_gpu_tests(tmp_path, selection):
+    extra = {"PYTEST_K": selection} if selection else {}
+    out = run_script(tmp_path, "ok", {}, ["tests"], **extra)
+    pytest_lines = [line for line in out.splitlines() if line.startswith("python3 -m pytest")]
+    expected = "python3 -m pytest -q -rfs --tb=short " + (f"-k {selection} " if selection else "") \
+        + "tests/test_solution.py"
+    assert pytest_lines == [expected], out
 
 
 @pytest.mark.parametrize("failing", ["base", "checkout"])

@@ -4,7 +4,9 @@
 #
 #   tools/device_check.sh [tests|official|profile|host|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
 #   (default: all)
-#   (bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
+#   (tests = the GPU tests and eval.py test; PYTEST_K="EXPR" runs only the GPU tests that
+#    pytest -k EXPR selects, for a lean call;
+#    bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
 #    host = each benchmark shape's host us per call, split into the input check and the launching
 #    (tools/profile_kernels.py --host; not part of "all");
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
@@ -12,7 +14,9 @@
 #    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
 #    process (tools/ab_bench.py; not part of "all"; AB_SHAPES="5 6" times only those benchmark
 #    shapes, indices 0-6), then one call of each checked version per shape kernel by kernel
-#    ($OUT/ab_timeline.log, tools/profile_kernels.py --timeline);
+#    ($OUT/ab_timeline.log, tools/profile_kernels.py --timeline; AB_TIMELINE=0 skips them:
+#    the full GPU tests, three versions' A/B on seven shapes and their timelines ran past a
+#    device call's 600 s, 2026-12-03);
 #    ncu = hardware counters of stage 1 and stage 2 on the benchmark shapes in $NCU_SHAPES
 #    (indices 0-6, default "0 4 5"): throughputs, tensor/ALU/FMA pipes, shared-memory
 #    wavefronts and bank conflicts, issue, stall reasons; with
@@ -71,7 +75,9 @@ fi
 
 if want tests; then
   step "GPU tests"
-  python3 -m pytest -q -rfs --tb=short tests/test_solution.py 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1
+  # PYTEST_K="EXPR": only the tests pytest -k EXPR selects (a lean call's targeted tests).
+  python3 -m pytest -q -rfs --tb=short ${PYTEST_K:+-k "$PYTEST_K"} tests/test_solution.py 2>&1 \
+    | tee "$OUT/pytest.log" | tail -25 || status=1
   step "eval.py test (official tests)"
   python3 eval.py test specs/tests.txt 2>"$OUT/eval_test.err" | tee "$OUT/eval_test.log" || status=1
 fi
@@ -117,11 +123,13 @@ if asked ab; then   # not part of "all": .ab/base.py against this checkout and .
       python3 tools/ab_bench.py .ab/base.py solution.py "${candidates[@]}" 2>"$OUT/ab.err" | tee "$OUT/ab.log" || status=1
       # One call of each checked version per shape, kernel by kernel, by full
       # template name (the split above adds a kernel's instantiations together).
-      checked=(); for c in "${candidates[@]}"; do [[ $(basename "$c") == timing_* ]] || checked+=("$c"); done
-      for n in ${AB_SHAPES:-0 1 2 3 4 5 6}; do
-        python3 tools/profile_kernels.py --timeline "$n" .ab/base.py solution.py "${checked[@]}" || status=1
-      done >"$OUT/ab_timeline.log" 2>"$OUT/ab_timeline.err"
-      echo "each version's kernels in one call: ab_timeline.log"
+      if [ "${AB_TIMELINE:-1}" != 0 ]; then
+        checked=(); for c in "${candidates[@]}"; do [[ $(basename "$c") == timing_* ]] || checked+=("$c"); done
+        for n in ${AB_SHAPES:-0 1 2 3 4 5 6}; do
+          python3 tools/profile_kernels.py --timeline "$n" .ab/base.py solution.py "${checked[@]}" || status=1
+        done >"$OUT/ab_timeline.log" 2>"$OUT/ab_timeline.err"
+        echo "each version's kernels in one call: ab_timeline.log"
+      fi
     fi
   else
     echo "skipped: .ab/base.py is missing"
