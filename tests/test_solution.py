@@ -695,6 +695,25 @@ def test_nan_in_hidden_states_stays_in_its_row():
 
 
 @needs_cuda
+@pytest.mark.parametrize("config", solution.GEMM_CONFIGS, ids=lambda c: str(c).replace("/", "-"))
+def test_nan_in_hidden_states_through_the_k_split_fix_up(config):
+    """As above, with stage 1's K in two slices for every config: the
+    fix-up kernel's Qa of the slices' sums must turn each of that token's
+    intermediate blocks to NaN and leave the other tokens' as the
+    reference's."""
+    data = reference.generate_input(1024, 256, 8, 2, 1, 16, 13)
+    hidden = data[0].clone()
+    hidden[4, 17] = float("nan")
+    data = with_replaced(data, 0, hidden)
+    module = solution._backend(torch.device("cuda"))[1]
+    out = solution._run_kernels(module, data, config, stage1_splits=2).float()
+    assert torch.isnan(out[4]).all()
+    rows = [i for i in range(16) if i != 4]
+    ok, message = reference.compare_outputs(out[rows].bfloat16(), reference.ref_kernel(data)[rows])
+    assert ok, message
+
+
+@needs_cuda
 def test_cuda_graph_replay_with_new_inputs():
     """Captured once, replayed after new values are copied into the same
     input buffers: the kernels read the buffers, not values fixed at capture."""
