@@ -309,6 +309,10 @@ MOE_HD int folded_act_position(int p) {
 // for -5 <= d <= 6, where every nonzero entry is a normal E4M3 and d adds to
 // its exponent field: two adds per row and block.
 constexpr int kFoldTableMinShift = -5;
+// The largest first scale byte whose window (up to kFoldMaxShift above it)
+// stops short of 255, E8M0's NaN: above it a block of 255 would fold as a
+// finite shift.
+constexpr int kFoldMaxFirstScale = 254 - kFoldMaxShift;
 MOE_HD void folded_e4m3_table(int d, uint32_t& lo, uint32_t& hi) {
     lo = 0x3C383000u + (uint32_t)d * 0x08080800u;
     hi = 0x4C484440u + (uint32_t)d * 0x08080808u;
@@ -3429,9 +3433,11 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             // The sums times their rows' and tokens' scales (NaN for a row
             // that met a block outside its fold, or a token Qa could not fold).
             // A quad's four threads hold K quarters of the same two rows. A
-            // first scale byte of 255 (NaN) folds nothing: the bf16 kernel
-            // gives those rows' NaN.
-            out_of_window |= (uint32_t)(rows.base[0] == 255u) | (uint32_t)(rows.base[1] == 255u) << 1;
+            // first scale byte above kFoldMaxFirstScale (255 included) folds
+            // nothing: the bf16 kernel gives those rows' values, NaN where
+            // a block's scale is 255.
+            out_of_window |= (uint32_t)(rows.base[0] > (uint32_t)kFoldMaxFirstScale)
+                             | (uint32_t)(rows.base[1] > (uint32_t)kFoldMaxFirstScale) << 1;
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 1);
             out_of_window |= __shfl_xor_sync(0xFFFFFFFFu, out_of_window, 2);
             if (out_of_window) *redo_tiles = num_tiles;

@@ -568,6 +568,35 @@ def test_folded_stage1_keeps_a_nan_scale_over_zero_codes(half, config):
 
 @needs_cuda
 @pytest.mark.parametrize("config", FOLDED_STAGE1, ids=config_id)
+def test_folded_stage1_keeps_a_nan_scale_near_the_top_of_the_window(config):
+    """A gate row whose blocks all have scale byte 250 but one, 255 (E8M0
+    NaN), over nonzero codes: 255 lies within 6 binades of the row's first
+    block, so a fold against 250 would read it as a finite 2^5 shift. The
+    folded stage 1s must not fold such a row (the wide one: a first scale
+    above kFoldMaxFirstScale, 248), and the tokens routed to that expert
+    come out NaN as in the reference. Every other weight scale is 2^100
+    times its usual size and the hidden states 2^-100 times theirs, so
+    that the products keep their size."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 50)
+    expert, row, block = 3, 5, 2
+    d_expert_pad = data[11]["d_expert_pad"]
+    scales = data[3].view(torch.uint8).to(torch.int32) + 100
+    assert int(scales.max()) <= 242   # below the plain pass's exponent split
+    scales = scales.to(torch.uint8)
+    scales[expert * 2 * d_expert_pad + row] = 250
+    scales[expert * 2 * d_expert_pad + row, block] = 255
+    weights = data[1].view(torch.uint8).clone()
+    weights[expert, row, 16 * block:16 * block + 16] = 0x22   # codes of 1.0
+    data = with_replaced(data, 0, data[0] * 2.0 ** -100)
+    data = with_replaced(data, 1, weights.view(data[1].dtype))
+    data = with_replaced(data, 3, scales.view(data[3].dtype))
+    module = solution._backend(torch.device("cuda"))[1]
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
+    assert torch.isnan(out).any() and not torch.isnan(out).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", FOLDED_STAGE1, ids=config_id)
 def test_nan_scales_in_the_padding_contribute_nothing(config):
     """SPEC section 2: padding rows and K blocks contribute nothing, so
     scale bytes of 255 there (gate/up rows past d_expert in each half, K
