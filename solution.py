@@ -722,6 +722,14 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
+// 16 bytes global -> shared, or 16 zeros where copy is 0 (the ignore-src
+// form: its predicate is one test of the caller's mask bit, where a
+// src-size of 0 or 16 took a shift and a test per copy).
+__device__ __forceinline__ void cp_async_16_or_zeros(void* dst, const void* src, uint32_t copy) {
+    asm volatile("{\n.reg .pred zeros;\nsetp.eq.u32 zeros, %2, 0;\n"
+                 "cp.async.cg.shared.global [%0], [%1], 16, zeros;\n}\n"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(copy));
+}
 // Bytes (4 or 8) global -> shared, of which the first valid_bytes are read
 // and the rest zero-filled.
 template <int Bytes>
@@ -3383,8 +3391,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                 const size_t k_offset = (size_t)block0 * (kScaleBlock * kActValueBytes);
 #pragma unroll
                 for (int j = 0; j < kPasses; ++j)
-                    cp_async_16(base + act_dst + j * (kTokensPerPass / 8 * 1024), src[j] + k_offset,
-                                (copied >> j & 1u) * 16);
+                    cp_async_16_or_zeros(base + act_dst + j * (kTokensPerPass / 8 * 1024), src[j] + k_offset,
+                                         copied & 1u << j);
 #pragma unroll
                 for (int i = 0; i < kScaleRows; ++i)
                     cp_async_small<4>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB,
