@@ -95,14 +95,22 @@ VARIANTS = {
         [(("                for (int j = 0; j < kPasses; ++j)\n"
            "                    cp_async_16(base + act_dst",
            "                for (int j = 0; j < 0 * kPasses; ++j)\n"
-           "                    cp_async_16(base + act_dst"),)]),
+           "                    cp_async_16(base + act_dst"),
+          ("                for (int j = 0; j < kPasses; ++j)\n"
+           "                    cp_async_16_or_zeros(base + act_dst",
+           "                for (int j = 0; j < 0 * kPasses; ++j)\n"
+           "                    cp_async_16_or_zeros(base + act_dst"))]),
     "wide_half_act_copy": (
         "stage1_wide_kernel's loaders copy the activations of half the tile's tokens (the others read stale "
         "shared memory): the copy instructions and L2 bytes of one-byte (e4m3) activations",
         [(("                for (int j = 0; j < kPasses; ++j)\n"
            "                    cp_async_16(base + act_dst",
            "                for (int j = 0; j < kPasses / 2; ++j)\n"
-           "                    cp_async_16(base + act_dst"),)]),
+           "                    cp_async_16(base + act_dst"),
+          ("                for (int j = 0; j < kPasses; ++j)\n"
+           "                    cp_async_16_or_zeros(base + act_dst",
+           "                for (int j = 0; j < kPasses / 2; ++j)\n"
+           "                    cp_async_16_or_zeros(base + act_dst"))]),
     "wide_no_dequant": (
         "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
