@@ -2151,7 +2151,9 @@ __global__ void __launch_bounds__(kFallbackThreads) folded_fallback_kernel(
 constexpr int kStage1Columns = kRows / 2;  // intermediate columns per CTA
 constexpr int kStage1HStride = kStage1Columns + 4;
 
-// The bf16 form (kFp8 false) of quantize_h_rows: lane 4r + j of warp w
+// Qa of a stage-1 tile's SwiGLU values in shared memory (h: rows x
+// kStage1HStride floats, two 32-column blocks a row, columns from col0)
+// into inter as bf16 values, by kWarps warps: lane 4r + j of warp w
 // takes row 8 (w / 2) + r (then kWarps * 4 rows further, ...) of block w & 1,
 // the block's values j, j + 4, ..., j + 28, whose act_positions are
 // 8j..8j+7: the block's max is two shuffles among four lanes, its output
@@ -2166,6 +2168,7 @@ constexpr int kStage1HStride = kStage1Columns + 4;
 template <int kWarps>
 __device__ __forceinline__ void quantize_h_rows_bf16(const float* h, int rows, int warp, int lane, int row_start,
                                                      int col0, int d_expert_pad, uint8_t* __restrict__ inter) {
+    static_assert(kWarps % 2 == 0, "a warp's rows all of one block");
     constexpr int kRowStep = kWarps / 2 * 8;
     const int j = lane & 3, block = warp & 1;
     const float* src = h + block * kScaleBlock + j;
@@ -2198,44 +2201,37 @@ __device__ __forceinline__ void quantize_h_rows_bf16(const float* h, int rows, i
                                                                                       words[3]);
     }
 }
-// Qa of a stage-1 tile's SwiGLU values in shared memory (h: rows x
-// kStage1HStride floats, two 32-column blocks a row, columns from col0)
-// into inter (and inter_scale for kFp8), by kWarps warps. kFp8 (the bf16
-// form is quantize_h_rows_bf16's, above): warp w takes
-// items w, w + kWarps, ... (item = row * 2 + block), kGroup at a time. With
-// kWarps even those are all of block w & 1, rows w / 2 + kWarps / 2 * k,
-// so each item's destination is the last one's plus a fixed step
-// (recomputed per item from its row, a Qa loop of four blocks took 304
-// instructions, 257 this way: SASS of the wide stage 1, when it ran this
-// form).
-template <bool kFp8, int kGroup, int kWarps>
-__device__ __forceinline__ void quantize_h_rows(const float* h, int rows, int warp, int lane, int row_start,
-                                                int col0, int d_expert_pad, uint8_t* __restrict__ inter,
-                                                float* __restrict__ inter_scale) {
+// quantize_h_rows_bf16's Qa for the e4m3 configs: E4M3 codes into inter
+// and their block scales into inter_scale. Warp w takes items w, w +
+// kWarps, ... (item = row * 2 + block), kGroup at a time. With kWarps even those are all of block w & 1,
+// rows w / 2 + kWarps / 2 * k, so each item's destination is the last
+// one's plus a fixed step (recomputed per item from its row, a Qa loop of
+// four blocks took 304 instructions, 257 this way: SASS of the wide stage
+// 1, when it ran this form).
+template <int kGroup, int kWarps>
+__device__ __forceinline__ void quantize_h_rows_e4m3(const float* h, int rows, int warp, int lane, int row_start,
+                                                     int col0, int d_expert_pad, uint8_t* __restrict__ inter,
+                                                     float* __restrict__ inter_scale) {
     static_assert(kWarps % 2 == 0, "a warp's items all of one block");
-    if constexpr (!kFp8) {
-        quantize_h_rows_bf16<kWarps>(h, rows, warp, lane, row_start, col0, d_expert_pad, inter);
-    } else {
-        constexpr int kRowStep = kWarps / 2;
-        const int block = warp & 1, first_row = warp >> 1;
-        uint8_t* dst_row = inter + (size_t)(row_start + first_row) * d_expert_pad + col0 + block * kScaleBlock;
-        float* scale_row = inter_scale + (size_t)(row_start + first_row) * (d_expert_pad / kScaleBlock)
-                           + col0 / kScaleBlock + block;
-        for (int row = first_row; row < rows; row += kGroup * kRowStep) {
-            float v[kGroup];
-            uint8_t* dst[kGroup];
-            float* scale[kGroup];
+    constexpr int kRowStep = kWarps / 2;
+    const int block = warp & 1, first_row = warp >> 1;
+    uint8_t* dst_row = inter + (size_t)(row_start + first_row) * d_expert_pad + col0 + block * kScaleBlock;
+    float* scale_row = inter_scale + (size_t)(row_start + first_row) * (d_expert_pad / kScaleBlock)
+                       + col0 / kScaleBlock + block;
+    for (int row = first_row; row < rows; row += kGroup * kRowStep) {
+        float v[kGroup];
+        uint8_t* dst[kGroup];
+        float* scale[kGroup];
 #pragma unroll
-            for (int i = 0; i < kGroup; ++i) {
-                // Rows past the tile's: h's last row, computed, not stored.
-                v[i] = h[min(row + i * kRowStep, rows - 1) * kStage1HStride + block * kScaleBlock + lane];
-                dst[i] = dst_row + (size_t)(i * kRowStep) * d_expert_pad;
-                scale[i] = scale_row + (size_t)(i * kRowStep) * (d_expert_pad / kScaleBlock);
-            }
-            quantize_blocks_warp<true, kGroup>(v, (rows - row + kRowStep - 1) / kRowStep, lane, dst, scale);
-            dst_row += (size_t)(kGroup * kRowStep) * d_expert_pad;
-            scale_row += (size_t)(kGroup * kRowStep) * (d_expert_pad / kScaleBlock);
+        for (int i = 0; i < kGroup; ++i) {
+            // Rows past the tile's: h's last row, computed, not stored.
+            v[i] = h[min(row + i * kRowStep, rows - 1) * kStage1HStride + block * kScaleBlock + lane];
+            dst[i] = dst_row + (size_t)(i * kRowStep) * d_expert_pad;
+            scale[i] = scale_row + (size_t)(i * kRowStep) * (d_expert_pad / kScaleBlock);
         }
+        quantize_blocks_warp<true, kGroup>(v, (rows - row + kRowStep - 1) / kRowStep, lane, dst, scale);
+        dst_row += (size_t)(kGroup * kRowStep) * d_expert_pad;
+        scale_row += (size_t)(kGroup * kRowStep) * (d_expert_pad / kScaleBlock);
     }
 }
 
@@ -2374,8 +2370,11 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // kernels of 24 and 32 tokens sit at their 128-register cap, and spilled
     // at two.
     constexpr int kQaGroup = kFolded ? 4 : 1;
-    quantize_h_rows<FP8, kQaGroup, S::kWarps>(h, tile.rows, warp, lane, tile.row_start, col0, d_expert_pad, inter,
-                                              inter_scale);
+    if constexpr (FP8)
+        quantize_h_rows_e4m3<kQaGroup, S::kWarps>(h, tile.rows, warp, lane, tile.row_start, col0, d_expert_pad,
+                                                  inter, inter_scale);
+    else
+        quantize_h_rows_bf16<S::kWarps>(h, tile.rows, warp, lane, tile.row_start, col0, d_expert_pad, inter);
 }
 
 // The end of a K-split stage 1: warp (kRows rows from kRows*blockIdx.x,
