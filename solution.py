@@ -4002,6 +4002,12 @@ torch::Tensor moe_forward(
     // The routing's second table, of 144-token tiles; 64-token wide tiles
     // are the config's own tiles, so the wide stage 2 then reads its table.
     const bool wide_table = wide_tile_tokens == 144;
+    for (const auto& [name, tensor] : {std::make_pair("gate_up_weight", &gate_up_weight),
+                                       std::make_pair("down_weight", &down_weight),
+                                       std::make_pair("gate_up_scale", &gate_up_scale),
+                                       std::make_pair("down_scale", &down_scale)})
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(tensor->data_ptr()) % 16 == 0, "moe_mxfp4: ", name,
+                    " must start on a 16-byte boundary (its 16-byte copies and TMA boxes need it)");
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -4371,6 +4377,11 @@ def validate_inputs(data: input_t) -> None:
                          f"{n_experts} experts")
 
 
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor, or a copy in a fresh (aligned) allocation if it does not start on a 16-byte boundary."""
+    return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
+
+
 def _moe_forward_args(data: input_t, kernel_config: Optional[KernelConfig] = None, stage1_splits: int = 0,
                       stage2_row_tiles: int = 0) -> tuple:
     """moe_forward's arguments for an input (see _run_kernels)."""
@@ -4386,7 +4397,10 @@ def _moe_forward_args(data: input_t, kernel_config: Optional[KernelConfig] = Non
     if kernel_config is None:
         kernel_config = choose_config(hidden_states.shape[0], topk_ids.shape[1], gate_up_weight.shape[0],
                                       config["d_expert"], _has_wgmma(hidden_states.device.index))
-    as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    # The kernels read weights and scales in 16-byte copies and TMA boxes,
+    # which need 16-byte aligned addresses: a view that starts elsewhere (a
+    # slice, a storage offset) is copied, at the cost of a copy per call.
+    as_bytes = lambda t: _aligned(t.contiguous().view(torch.uint8))  # noqa: E731
     return (hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
             as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
             config["d_hidden"], config["d_expert"], config.get("n_shared_experts", 0), *kernel_config, stage1_splits,

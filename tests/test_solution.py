@@ -111,6 +111,29 @@ def test_non_contiguous_inputs_give_the_same_result():
     assert torch.equal(solution.custom_kernel(strided), solution.custom_kernel(data))
 
 
+def misaligned_copy(tensor):
+    """tensor's bytes in a view that starts one byte past an allocation's
+    (16-byte aligned) start, in tensor's dtype and shape."""
+    raw = tensor.contiguous().view(torch.uint8)
+    view = torch.empty(raw.numel() + 1, dtype=torch.uint8, device=tensor.device)[1:].view(raw.shape)
+    view.copy_(raw)
+    return view.view(tensor.dtype)
+
+
+def test_moe_forward_args_realign_weights_and_scales():
+    """The kernels copy weights and scales 16 bytes at a time and by TMA:
+    inputs that start off a 16-byte boundary reach them as aligned copies."""
+    data = to_cpu(small_input())
+    for index in (1, 2, 3, 4):
+        data = with_replaced(data, index, misaligned_copy(data[index]))
+        assert data[index].data_ptr() % 16 == 1
+    config = solution.KernelConfig(8, 16, 8, 8, 4, True, True, 32)
+    args = solution._moe_forward_args(data, config)
+    for index in (1, 2, 3, 4):
+        assert args[index].data_ptr() % 16 == 0
+        assert torch.equal(args[index], data[index].view(torch.uint8))
+
+
 def test_wrong_tuple_is_refused():
     with pytest.raises(TypeError, match="12-tuple"):
         solution.custom_kernel(small_input()[:11])
@@ -727,6 +750,27 @@ def test_a_check_inside_the_extension_raises_runtime_error():
                            cwd=os.path.join(os.path.dirname(__file__), ".."))
     assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-2000:]
     assert "raised: moe_mxfp4: no kernels built for tile_tokens=8, warp_rows=16" in child.stdout, child.stdout
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", [None, WIDE_144], ids=["chosen", "wide144"])
+def test_misaligned_weights_and_scales_give_the_same_result(config):
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 52)
+    misaligned = data
+    for index in (1, 2, 3, 4):
+        misaligned = with_replaced(misaligned, index, misaligned_copy(data[index]))
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(misaligned, run=lambda d: solution._run_kernels(module, d, config), reference_data=data)
+
+
+@needs_cuda
+def test_the_extension_refuses_misaligned_weights():
+    data = reference.generate_input(1024, 512, 16, 4, 1, 16, 53)
+    args = list(solution._moe_forward_args(data))
+    args[1] = misaligned_copy(args[1])
+    module = solution._backend(torch.device("cuda"))[1]
+    with pytest.raises(RuntimeError, match="gate_up_weight must start on a 16-byte boundary"):
+        module.moe_forward(*args)
 
 
 @needs_cuda
