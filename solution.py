@@ -399,8 +399,9 @@ __device__ __forceinline__ void quantize_blocks_warp(const float (&v)[N], int co
 // it may start while the kernel before it finishes (launch_after_previous):
 // wait_for_previous_kernel then blocks until that kernel has completed and
 // its writes are visible. Every such kernel waits before it reads or writes
-// anything, in every CTA, so a kernel's completion implies its
-// predecessors'. let_next_kernel_launch lets the next kernel's CTAs be
+// anything (but folded_fallback_kernel, which reads inputs and sets a flag
+// no kernel before it reads), in every CTA, so a kernel's completion implies
+// its predecessors'. let_next_kernel_launch lets the next kernel's CTAs be
 // placed as soon as all of this kernel's CTAs have started.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(USE_ROCM)
 #define MOE_HAS_DEPENDENT_LAUNCH 1
@@ -409,6 +410,18 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #ifdef MOE_HAS_DEPENDENT_LAUNCH
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+// A word an earlier kernel wrote, read after wait_for_previous_kernel where
+// the compiler might not keep a plain read there: a read through a const
+// __restrict__ pointer may become an invariant load (ld.global.nc), which
+// the wait's "memory" clobber does not hold back. ptxas put
+// folded_fallback_kernel's read of *redo_tiles above its griddepcontrol.wait:
+// it then saw the routing kernel's zero while stage 1 still ran, wrote no
+// bf16 rows, and the redo read stale memory (H200, 2026-12-03). A volatile
+// read stays below the wait; the build test checks every kernel's SASS for
+// reads above it.
+__device__ __forceinline__ int read_after_wait(const int* word) {
+    return *reinterpret_cast<const volatile int*>(word);
 }
 __device__ __forceinline__ void let_next_kernel_launch() {
 #ifdef MOE_HAS_DEPENDENT_LAUNCH
@@ -2131,7 +2144,7 @@ __global__ void __launch_bounds__(kFallbackThreads) folded_fallback_kernel(
     }
     if (!all_fold) *stage2_redo = 1;
     wait_for_previous_kernel();
-    if (*redo_tiles == 0) return;
+    if (read_after_wait(redo_tiles) == 0) return;
     const int eighths_per_row = d_hidden_pad / 8;   // a multiple of 4: whole blocks
     const long long eighths = (long long)tokens * eighths_per_row;
     const int lane = threadIdx.x & 31;

@@ -177,15 +177,23 @@ def test_moe_forward_args_match_its_declaration():
     assert named["gate_up_weight"].dtype == torch.uint8 and named["topk_ids"] is data[10]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
-    """The device code alone (no torch headers) through nvcc: catches build
-    breaks on a machine without a GPU, register spills in any kernel, and
-    wgmmas that ptxas serialises (warning C7520: a kernel whose wgmmas sit in
-    a branch ptxas thinks divergent measured several % slower), and a folded
-    wide stage 1 whose registers leave no room for the fallback kernel that
-    waits beside it."""
-    returncode, report = kernel_resources.ptxas_report(str(tmp_path))
+@pytest.fixture(scope="module")
+def kernel_build(tmp_path_factory):
+    """The device code alone (no torch headers) through nvcc for sm_90a, once
+    for the tests below: (its folder, nvcc's exit status, its report)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    folder = str(tmp_path_factory.mktemp("kernels"))
+    return (folder, *kernel_resources.ptxas_report(folder))
+
+
+def test_kernel_source_builds_for_sm90a_without_spills(kernel_build):
+    """Catches build breaks on a machine without a GPU, register spills in
+    any kernel, and wgmmas that ptxas serialises (warning C7520: a kernel
+    whose wgmmas sit in a branch ptxas thinks divergent measured several %
+    slower), and a folded wide stage 1 whose registers leave no room for the
+    fallback kernel that waits beside it."""
+    _, returncode, report = kernel_build
     print(report)
     assert returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
@@ -215,6 +223,40 @@ def test_kernel_source_builds_for_sm90a_without_spills(tmp_path):
         stage1 = next(warp for name, warp in per_warp.items() if f"stage1_wide_kernelILi{tokens}ELb1E" in name)
         used = stage1 * (consumer_warps + int(producer_warps[str(tokens)])) + fallback * fallback_warps
         assert used <= 65536, (tokens, stage1 // 32, fallback // 32, used)
+
+
+GLOBAL_MEMORY_OPCODES = {"LDG", "STG", "ATOMG", "RED", "REDG", "LDGSTS", "UTMALDG", "UTMASTG", "UBLKCP", "LD", "ST",
+                         "ATOM"}
+
+
+@pytest.mark.skipif(shutil.which("cuobjdump") is None, reason="cuobjdump not on PATH")
+def test_no_kernel_touches_global_memory_before_its_wait(kernel_build):
+    """A kernel launched after another (programmatic dependent launch) must
+    not read what an earlier kernel writes before its griddepcontrol.wait
+    (SASS ACQBULK). The compiler may move an invariant load above the wait
+    (ptxas did, for folded_fallback_kernel's read of the stage-1 redo flag:
+    the redo then read stale rows from the third call on, H200, 2026-12-03).
+    Every kernel that waits does so before any global access, except
+    folded_fallback_kernel, which reads the down scales (inputs, read-only
+    loads) and may set stage 2's flag before it, and reads the redo flag
+    with a volatile (strong) load after it."""
+    folder, returncode, _ = kernel_build
+    assert returncode == 0
+    waiting = 0
+    for name, sass in kernel_resources.sass_functions(folder).items():
+        instructions = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
+        if "ACQBULK" not in instructions:
+            continue   # the routing kernel, launched normally
+        waiting += 1
+        wait = instructions.index("ACQBULK")
+        before = [op for op in instructions[:wait] if op.split(".")[0] in GLOBAL_MEMORY_OPCODES]
+        if "folded_fallback_kernel" in name:
+            assert before and all(op.startswith("STG") or op.endswith(".CONSTANT") for op in before), before
+            strong = [i for i, op in enumerate(instructions) if op.startswith("LDG") and ".STRONG" in op]
+            assert strong and min(strong) > wait, "the redo flag's read is not below the wait"
+        else:
+            assert not before, (name, before)
+    assert waiting >= 10
 
 
 # Declarations enough for nvcc's front end to parse what ATen/cuda/CUDAContext.h
