@@ -661,16 +661,18 @@ def test_folded_stage1_keeps_a_nan_scale_near_the_top_of_the_window(config):
 
 
 @needs_cuda
+@pytest.mark.parametrize("splits", [1, 0], ids=["one_slice", "chosen_slices"])
 @pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
-def test_folded_wide_stage1_redo_in_one_slice_is_right_on_every_call(config):
+def test_folded_wide_stage1_redo_is_right_on_every_call(config, splits):
     """A gate row's block of scale byte 255 over nonzero codes: the folded
     wide stage 1 meets it outside its window and the bf16 kernel runs all
-    of stage 1 again, here with K in one slice (each unit's SwiGLU and Qa in
-    the CTA). Only the tokens routed to that expert may come out NaN, and
-    the rest must match on every call, not only on a process's first ones,
-    whose buffers are fresh (on the H200 on 2026-12-03, from the third call
-    on, up to 53 of the 53 other tokens came out NaN or wrong at 144 tokens;
-    never under CUDA_LAUNCH_BLOCKING=1)."""
+    of stage 1 again (with K in one slice, each unit's SwiGLU and Qa in the
+    CTA). Only the tokens routed to that expert may come out NaN, and the
+    rest must match on every call, each on NaN-poisoned fresh memory: a
+    redo that read the fallback's rows before they were written went
+    unseen in a process's first two calls and gave up to 53 of the 53
+    other tokens NaN or near zero from the third on (one slice, 144
+    tokens, H200, 2026-12-03; never under CUDA_LAUNCH_BLOCKING=1)."""
     data = reference.generate_input(1024, 512, 16, 4, 1, 64, 50)
     expert, row, block = 3, 5, 2
     d_expert_pad = data[11]["d_expert_pad"]
@@ -684,7 +686,26 @@ def test_folded_wide_stage1_redo_in_one_slice_is_right_on_every_call(config):
     module = solution._backend(torch.device("cuda"))[1]
     for call in range(12):
         poison_allocator()
-        out = solution._run_kernels(module, data, config, stage1_splits=1)
+        out = solution._run_kernels(module, data, config, stage1_splits=splits)
+        ok, message = reference.compare_outputs(out, expected)
+        assert ok, f"call {call}: {message}"
+
+
+@needs_cuda
+def test_folded_wide_stage2_redo_is_right_on_every_call():
+    """Down-weight rows whose first block lies 8 binades off the rest: the
+    fallback kernel finds them outside the fold before stage 2 starts, the
+    e4m3 stage 2 leaves, and the bf16 one runs all of stage 2: the same
+    result on every call, each on NaN-poisoned fresh memory."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 54)
+    rows = torch.randint(0, data[4].view(torch.uint8).reshape(-1, data[4].shape[-1]).shape[0], (40,),
+                         generator=torch.Generator().manual_seed(55))
+    data = with_first_block_scales_moved(data, rows, 8, index=4)
+    expected = reference.ref_kernel(data)
+    module = solution._backend(torch.device("cuda"))[1]
+    for call in range(8):
+        poison_allocator()
+        out = solution._run_kernels(module, data, WIDE_144)
         ok, message = reference.compare_outputs(out, expected)
         assert ok, f"call {call}: {message}"
 
