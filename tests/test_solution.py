@@ -828,12 +828,23 @@ def test_misaligned_weights_and_scales_give_the_same_result(config):
 
 @needs_cuda
 def test_the_extension_refuses_misaligned_weights():
-    data = reference.generate_input(1024, 512, 16, 4, 1, 16, 53)
-    args = list(solution._moe_forward_args(data))
-    args[1] = misaligned_copy(args[1])
-    module = solution._backend(torch.device("cuda"))[1]
-    with pytest.raises(RuntimeError, match="gate_up_weight must start on a 16-byte boundary"):
-        module.moe_forward(*args)
+    """The dispatcher realigns; a direct caller of moe_forward gets a
+    RuntimeError naming the tensor. In a child process, as above."""
+    script = ("import torch, solution, reference\n"
+              "data = reference.generate_input(1024, 512, 16, 4, 1, 16, 53)\n"
+              "args = list(solution._moe_forward_args(data))\n"
+              "view = torch.empty(args[1].numel() + 1, dtype=torch.uint8, device='cuda')[1:].view(args[1].shape)\n"
+              "view.copy_(args[1])\n"
+              "args[1] = view\n"
+              "module = solution._backend(torch.device('cuda'))[1]\n"
+              "try:\n"
+              "    module.moe_forward(*args)\n"
+              "except RuntimeError as error:\n"
+              "    print('raised:', error)\n")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                           cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-2000:]
+    assert "raised: moe_mxfp4: gate_up_weight must start on a 16-byte boundary" in child.stdout, child.stdout
 
 
 @needs_cuda
