@@ -2,8 +2,8 @@
 compute-sanitizer on PATH (no GPU): nothing runs after a failed build, the
 A/B step leaves out versions whose smoke check fails or hangs and times
 nothing when the base or the checkout fails, a lean call's switches
-(PYTEST_K, AB_TIMELINE=0) take effect, and the robust step's two halves
-run on their own."""
+(PYTEST_K, AB_TIMELINE=0) take effect, basetests runs the selected tests
+on the base, and the robust step's two halves run on their own."""
 import os
 import shutil
 import subprocess
@@ -19,6 +19,7 @@ FAKE_PYTHON = """#!/bin/bash
 if [ "$1" = -c ]; then
   if grep -q NOBUILD solution.py; then echo torch; else echo cuda; fi
 fi
+if [ "$1" = -m ] && [ "$2" = pytest ]; then echo "pytest on solution.py: $(cat solution.py)"; fi
 if [ "$1" = tools/ab_bench.py ] && [ "$2" = --smoke ]; then
   grep -q FAIL "$3" && exit 1
   grep -q HANG "$3" && sleep 30
@@ -49,7 +50,8 @@ def run_script(tmp_path, checkout, versions, parts, **env_extra):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     # The script's own switches come from env_extra only, not from the caller's environment.
-    env = {name: value for name, value in os.environ.items() if name not in ("PYTEST_K", "AB_TIMELINE", "AB_SHAPES")}
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PYTEST_K", "BASE_PYTEST_K", "AB_TIMELINE", "AB_SHAPES")}
     env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), **env_extra)
     run = subprocess.run(["bash", str(repo / "tools" / "device_check.sh"), *parts], capture_output=True, text=True,
                          env=env, timeout=120)
@@ -100,6 +102,21 @@ def test_tests_run_the_selected_gpu_tests(tmp_path, selection):
     expected = "python3 -m pytest -q -rfs --tb=short " + (f"-k {selection} " if selection else "") \
         + "tests/test_solution.py"
     assert pytest_lines == [expected], out
+
+
+def test_basetests_run_the_selected_gpu_tests_on_the_base(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    for name in ("reference.py", "task.py", "eval.py"):
+        (repo / name).write_text("")
+    out = run_script(tmp_path, "ok", {"base.py": "BASE"}, ["tests", "basetests"], PYTEST_K="wide",
+                     BASE_PYTEST_K="redo")
+    assert "python3 -m pytest -q -rfs --tb=short -k wide tests/test_solution.py" in out.splitlines(), out
+    assert "python3 -m pytest -q -rfs --tb=short -k redo tests/test_solution.py" in out.splitlines(), out
+    assert "pytest on solution.py: BASE" in out.splitlines() and "pytest on solution.py: ok" in out.splitlines()
+    assert (tmp_path / "out" / "pytest_base.log").exists()
+    out = run_script(tmp_path / "again", "ok", {}, ["basetests"])
+    assert "skipped: .ab/base.py is missing" in out, out
 
 
 @pytest.mark.parametrize("failing", ["base", "checkout"])

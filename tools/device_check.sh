@@ -2,10 +2,12 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|official|profile|host|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
+#   tools/device_check.sh [tests|basetests|official|profile|host|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
 #   (default: all)
 #   (tests = the GPU tests and eval.py test; PYTEST_K="EXPR" runs only the GPU tests that
-#    pytest -k EXPR selects, for a lean call;
+#    pytest -k EXPR selects, for a lean call; basetests = GPU tests against .ab/base.py, in a
+#    copy of this tree with it as solution.py, those BASE_PYTEST_K selects (default PYTEST_K's;
+#    not part of "all": a fix on main checked in the call that times a branch on top of it);
 #    bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
 #    host = each benchmark shape's host us per call, split into the input check and the launching
 #    (tools/profile_kernels.py --host; not part of "all");
@@ -80,6 +82,19 @@ if want tests; then
     | tee "$OUT/pytest.log" | tail -25 || status=1
   step "eval.py test (official tests)"
   python3 eval.py test specs/tests.txt 2>"$OUT/eval_test.err" | tee "$OUT/eval_test.log" || status=1
+fi
+if asked basetests; then
+  step "GPU tests on .ab/base.py"
+  if [ -f .ab/base.py ]; then
+    base_tree=$(mktemp -d)
+    cp -r tests tools reference.py task.py eval.py "$base_tree"/ && cp .ab/base.py "$base_tree"/solution.py
+    base_k=${BASE_PYTEST_K:-${PYTEST_K:-}}
+    (cd "$base_tree" && python3 -m pytest -q -rfs --tb=short ${base_k:+-k "$base_k"} tests/test_solution.py) 2>&1 \
+      | tee "$OUT/pytest_base.log" | tail -25 || status=1
+    rm -rf "$base_tree"
+  else
+    echo "skipped: .ab/base.py is missing"
+  fi
 fi
 if want official; then
   step "official gpu-mode eval.py, test mode"
