@@ -487,6 +487,19 @@ def config_id(config):
     return {WIDE_64: "wide64", WIDE_144: "wide144"}.get(config, str(config).replace("/", "-"))
 
 
+def with_gate_up_block(data, expert, row, block, code_byte, scale_byte, scales=None):
+    """data with block `block` of gate/up weight row `row` of `expert` set to
+    bytes code_byte (two E2M1 codes each) under scale byte scale_byte, the
+    scale bytes taken from `scales` (a uint8 tensor shaped as data[3]) if
+    given, else from data."""
+    d_expert_pad = data[11]["d_expert_pad"]
+    weights = data[1].view(torch.uint8).clone()
+    weights[expert, row, 16 * block:16 * block + 16] = code_byte
+    scales = (data[3].view(torch.uint8) if scales is None else scales).clone()
+    scales[expert * 2 * d_expert_pad + row, block] = scale_byte
+    return with_replaced(with_replaced(data, 1, weights.view(data[1].dtype)), 3, scales.view(data[3].dtype))
+
+
 def with_first_block_scales_moved(data, rows, shift, index=3):
     """data with the first scale block of the given weight rows of scale
     tensor `index` (3: gate/up, 4: down) moved by `shift` binades (so the
@@ -617,15 +630,8 @@ def test_folded_stage1_keeps_a_nan_scale_over_zero_codes(half, config):
     pass, which keeps the NaN. (The wide e4m3 stage 1 adds zero there: the
     README's known exception.)"""
     data = reference.generate_input(1024, 512, 16, 4, 1, 64, 48)
-    expert, block = 3, 2
-    d_expert_pad = data[11]["d_expert_pad"]
-    row = 5 if half == "gate" else d_expert_pad + 5
-    weights = data[1].view(torch.uint8).clone()
-    weights[expert, row, 16 * block:16 * block + 16] = 0
-    scales = data[3].view(torch.uint8).clone()
-    scales[expert * 2 * d_expert_pad + row, block] = 255
-    data = with_replaced(data, 1, weights.view(data[1].dtype))
-    data = with_replaced(data, 3, scales.view(data[3].dtype))
+    row = 5 if half == "gate" else data[11]["d_expert_pad"] + 5
+    data = with_gate_up_block(data, 3, row, 2, 0, 255)
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
     assert torch.isnan(out).any() and not torch.isnan(out).all()
@@ -643,18 +649,13 @@ def test_folded_stage1_keeps_a_nan_scale_near_the_top_of_the_window(config):
     times its usual size and the hidden states 2^-100 times theirs, so
     that the products keep their size."""
     data = reference.generate_input(1024, 512, 16, 4, 1, 64, 50)
-    expert, row, block = 3, 5, 2
-    d_expert_pad = data[11]["d_expert_pad"]
+    expert, row = 3, 5
     scales = data[3].view(torch.uint8).to(torch.int32) + 100
     assert int(scales.max()) <= 242   # below the plain pass's exponent split
     scales = scales.to(torch.uint8)
-    scales[expert * 2 * d_expert_pad + row] = 250
-    scales[expert * 2 * d_expert_pad + row, block] = 255
-    weights = data[1].view(torch.uint8).clone()
-    weights[expert, row, 16 * block:16 * block + 16] = 0x22   # codes of 1.0
+    scales[expert * 2 * data[11]["d_expert_pad"] + row] = 250
+    data = with_gate_up_block(data, expert, row, 2, 0x22, 255, scales)   # codes of 1.0
     data = with_replaced(data, 0, data[0] * 2.0 ** -100)
-    data = with_replaced(data, 1, weights.view(data[1].dtype))
-    data = with_replaced(data, 3, scales.view(data[3].dtype))
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
     assert torch.isnan(out).any() and not torch.isnan(out).all()
@@ -673,14 +674,7 @@ def test_folded_wide_stage1_redo_is_right_on_every_call(config, splits):
     unseen in a process's first two calls and gave up to 53 of the 53
     other tokens NaN or near zero from the third on (one slice, 144
     tokens, H200, 2026-12-03; never under CUDA_LAUNCH_BLOCKING=1)."""
-    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 50)
-    expert, row, block = 3, 5, 2
-    d_expert_pad = data[11]["d_expert_pad"]
-    scales = data[3].view(torch.uint8).clone()
-    scales[expert * 2 * d_expert_pad + row, block] = 255
-    weights = data[1].view(torch.uint8).clone()
-    weights[expert, row, 16 * block:16 * block + 16] = 0x22   # codes of 1.0
-    data = with_replaced(with_replaced(data, 1, weights.view(data[1].dtype)), 3, scales.view(data[3].dtype))
+    data = with_gate_up_block(reference.generate_input(1024, 512, 16, 4, 1, 64, 50), 3, 5, 2, 0x22, 255)
     expected = reference.ref_kernel(data)
     assert torch.isnan(expected).any() and not torch.isnan(expected).all()
     module = solution._backend(torch.device("cuda"))[1]
