@@ -48,6 +48,8 @@ asked() { [[ " $parts " == *" $1 "* ]]; }   # named on the command line
 want() { asked "$1" || asked all; }
 status=0
 step() { echo; echo "=== $1"; }
+# The GPU tests of tests/test_solution.py in the current directory, those pytest -k $1 selects (all if empty).
+gpu_tests() { python3 -m pytest -q -rfs --tb=short ${1:+-k "$1"} tests/test_solution.py; }
 
 step "device"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
@@ -78,8 +80,7 @@ fi
 if want tests; then
   step "GPU tests"
   # PYTEST_K="EXPR": only the tests pytest -k EXPR selects (a lean call's targeted tests).
-  python3 -m pytest -q -rfs --tb=short ${PYTEST_K:+-k "$PYTEST_K"} tests/test_solution.py 2>&1 \
-    | tee "$OUT/pytest.log" | tail -25 || status=1
+  gpu_tests "${PYTEST_K:-}" 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1
   step "eval.py test (official tests)"
   python3 eval.py test specs/tests.txt 2>"$OUT/eval_test.err" | tee "$OUT/eval_test.log" || status=1
 fi
@@ -88,9 +89,8 @@ if asked basetests; then
   if [ -f .ab/base.py ]; then
     base_tree=$(mktemp -d)
     cp -r tests tools reference.py task.py eval.py "$base_tree"/ && cp .ab/base.py "$base_tree"/solution.py
-    base_k=${BASE_PYTEST_K:-${PYTEST_K:-}}
-    (cd "$base_tree" && python3 -m pytest -q -rfs --tb=short ${base_k:+-k "$base_k"} tests/test_solution.py) 2>&1 \
-      | tee "$OUT/pytest_base.log" | tail -25 || status=1
+    (cd "$base_tree" && gpu_tests "${BASE_PYTEST_K:-${PYTEST_K:-}}") 2>&1 | tee "$OUT/pytest_base.log" | tail -25 \
+      || status=1
     rm -rf "$base_tree"
   else
     echo "skipped: .ab/base.py is missing"
