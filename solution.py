@@ -2733,19 +2733,22 @@ __device__ __forceinline__ void wgmma_wide(float (&d)[kTokens / 8][4], const uin
     if constexpr (kTokens == 144) wgmma_m64n144k16(d, a, b_descriptor, accumulate);
     else wgmma_m64n64k16(d, a, b_descriptor, accumulate);
 }
+// kRing1Folded: the folded stage 1's slots, of 8 blocks (WideStage1).
 template <> struct WideTraits<144> {
-    static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 4, kProducerWarps1 = 4;
+    static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 4, kRing1Folded = 3, kProducerWarps1 = 4;
 };
 template <> struct WideTraits<64> {
-    static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 6, kProducerWarps1 = 4;
+    static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 6, kRing1Folded = 4, kProducerWarps1 = 4;
 };
-// A wide tile's pipeline stage (both stages' wide kernels): 4 scale blocks
-// of K for kRows weight rows and kTokens tokens.
-template <int kTokens_>
+// A wide tile's pipeline stage (both stages' wide kernels): kStageBlocks
+// scale blocks of K (4, or 8 in the folded stage 1) for kRows weight rows
+// and kTokens tokens, the activations' region sized for values of
+// kActValueBytes (2: bf16; the folded stage 2's E4M3 bytes use half).
+template <int kTokens_, int kStageBlocks_ = 4, int kActValueBytes = 2>
 struct WideLayout : WideTraits<kTokens_> {
     static constexpr int kTokens = kTokens_;
-    static constexpr int kStageBlocks = 4, kConsumerWarps = 8;
-    static constexpr int kActBytes = kTokens * kStageBlocks * kScaleBlock * 2;
+    static constexpr int kStageBlocks = kStageBlocks_, kConsumerWarps = 8;
+    static constexpr int kActBytes = kTokens * kStageBlocks * kScaleBlock * kActValueBytes;
     static constexpr int kWeightBytes = kRows * kStageBlocks * 16;
     static constexpr int kScaleBytes = kRows * kStageBlocks;
     static constexpr int kActOffset = 0, kWeightOffset = kActBytes, kScaleOffset = kWeightOffset + kWeightBytes;
@@ -2778,11 +2781,16 @@ struct WideStage2 : WideLayout<kTokens> {
     static_assert(kSharedBytes <= 227 * 1024 / L::kCtasPerSm - 1024, "the CTAs per SM");
 };
 // Stage 1's wide CTA: loading warps (the tile's tokens are gathered rows of
-// act: 16-byte copies, 18 per thread per stage at 144 tokens and four warps).
-template <int kTokens>
-struct WideStage1 : WideLayout<kTokens> {
-    using L = WideLayout<kTokens>;
-    static constexpr int kRing = L::kRing1, kProducerWarps = L::kProducerWarps1;
+// act: 16-byte copies, 18 per thread per stage at 144 tokens and four
+// warps). kFolded (E4M3 activations): stages of 8 blocks, in fewer slots,
+// so that each stage's fixed work (the slot's waits and arrivals, a
+// thread's copy addresses) is spread over twice the MMAs: the loaders'
+// loop cost about 0.2% of stage 1 per instruction a stage (H200,
+// 2026-12-03).
+template <int kTokens, bool kFolded = false>
+struct WideStage1 : WideLayout<kTokens, kFolded ? 8 : 4, kFolded ? 1 : 2> {
+    using L = WideLayout<kTokens, kFolded ? 8 : 4, kFolded ? 1 : 2>;
+    static constexpr int kRing = kFolded ? L::kRing1Folded : L::kRing1, kProducerWarps = L::kProducerWarps1;
     static constexpr int kThreads = (L::kConsumerWarps + kProducerWarps) * 32;
     static constexpr int kEpilogueBytes = kTokens * kStage1HStride * (int)sizeof(float);
     static constexpr int kSharedBytes = kRing * L::kStageBytes + kEpilogueBytes + 1024 - 16;
@@ -2799,9 +2807,8 @@ struct WideStage1 : WideLayout<kTokens> {
 struct WideLaneOffsets {
     uint32_t words, scales;
 };
-template <int kTokens, typename SmemRow>
+template <typename W, typename SmemRow>
 __device__ __forceinline__ WideLaneOffsets wide_lane_offsets(int first_row, int lane, SmemRow smem_row) {
-    using W = WideLayout<kTokens>;
     WideLaneOffsets offsets{(uint32_t)(W::kWeightOffset + W::weight_offset(smem_row(first_row + (lane & 15)),
                                                                             lane >> 4)),
                             (uint32_t)(W::kScaleOffset + (first_row + (lane >> 2)) * W::kStageBlocks)};
@@ -2813,32 +2820,34 @@ __device__ __forceinline__ WideLaneOffsets wide_lane_offsets(int first_row, int 
 // What both forms of a wide consumer stage (wide_compute_stage,
 // wide_compute_stage_folded) share. wide_stage_slot waits for stage s's
 // slot, returns it, and gives the scale words of the warp's rows g and g+8
-// (four blocks' bytes each). wide_stage_blocks then walks the stage's
-// blocks in order: issue_block(block, words) converts the block's fp4 words
-// of rows g and g+8 and issues its MMAs, while the next pair of blocks'
-// words load ahead; after each block it commits, waits for the block
-// before, and at block 0 releases the previous stage's slot (those MMAs are
-// complete).
-template <int kTokens, int kRing>
+// (scales[h][i]: blocks 4i..4i+3). wide_stage_blocks then walks the
+// stage's blocks in order: issue_block(block, words) converts the block's
+// fp4 words of rows g and g+8 and issues its MMAs, while the next pair of
+// blocks' words load ahead; after each block it commits, waits for the
+// block before, and at block 0 releases the previous stage's slot (those
+// MMAs are complete). W is the kernel's layout (a WideLayout).
+template <typename W, int kRing>
 __device__ __forceinline__ const uint8_t* wide_stage_slot(uint8_t* smem, uint64_t* full, int s,
-                                                         const WideLaneOffsets& offsets, uint32_t (&scales)[2]) {
-    using W = WideLayout<kTokens>;
+                                                         const WideLaneOffsets& offsets,
+                                                         uint32_t (&scales)[2][W::kStageBlocks / 4]) {
     mbarrier_wait(&full[s % kRing], (s / kRing) & 1);
     const uint8_t* base = smem + s % kRing * W::kStageBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-        scales[h] = *reinterpret_cast<const uint32_t*>(base + offsets.scales + 8 * h * W::kStageBlocks);
+#pragma unroll
+        for (int i = 0; i < W::kStageBlocks / 4; ++i)
+            scales[h][i] = *reinterpret_cast<const uint32_t*>(base + offsets.scales + 8 * h * W::kStageBlocks + 4 * i);
     return base;
 }
-template <int kTokens, int kRing, typename IssueBlock>
+template <typename W, int kRing, typename IssueBlock>
 __device__ __forceinline__ void wide_stage_blocks(const uint8_t* base, uint64_t* empty, int s,
                                                   const WideLaneOffsets& offsets, IssueBlock issue_block) {
-    using W = WideLayout<kTokens>;
     constexpr int SB = W::kStageBlocks;
     // Blocks bp, bp + 1 (bp even): chunk bp ^ (the first pair's), as the
-    // swizzle XORs only a row's chunk bits (below 64 bytes, W::kWeightOffset
-    // a multiple of them).
-    static_assert(SB == 4 && W::kWeightOffset % 64 == 0, "a pair's chunks one XOR from the first pair's");
+    // swizzle XORs only a row's chunk bits (below SB * 16 bytes,
+    // W::kWeightOffset a multiple of them).
+    static_assert((SB == 4 || SB == 8) && W::kWeightOffset % (SB * 16) == 0,
+                  "a pair's chunks one XOR from the first pair's");
     auto load_words = [&](uint32_t (&words)[4], int bp) {
         ldmatrix_x4(words, base + (offsets.words ^ (uint32_t)(bp << 4)));
     };
@@ -2869,13 +2878,13 @@ __device__ __forceinline__ void wide_stage_blocks(const uint8_t* base, uint64_t*
 // rows block by block and issue its warpgroup's bf16 MMAs over the tile's
 // tokens, adding into acc (first_of_tile: the first MMA starts it, scale-d
 // 0, so no accumulator is zeroed between row tiles).
-template <int kTokens, int kRing>
+template <typename W, int kRing, int kTokens = W::kTokens>
 __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full,
                                                    uint64_t* empty, int s, bool first_of_tile, int first_row,
                                                    int lane, const WideLaneOffsets& offsets) {
-    using W = WideLayout<kTokens>;
-    uint32_t scales[2];
-    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, offsets, scales);
+    static_assert(W::kStageBlocks == 4, "the bf16 stages are 4 blocks");
+    uint32_t scales[2][1];
+    const uint8_t* base = wide_stage_slot<W, kRing>(smem, full, s, offsets, scales);
     // The path, voted over the warpgroup's 64 rows (lane: rows 2 lane, 2 lane
     // + 1): a warpgroup's MMAs must be the same instructions in all four of
     // its warps, and a warp's own 16 rows gave warps of one warpgroup
@@ -2889,10 +2898,10 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4],
     // its own straight-line code (with the path a runtime value inside,
     // ptxas predicated both paths' conversions and issued both).
     auto compute = [&](const bool kWide) {
-        wide_stage_blocks<kTokens, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
+        wide_stage_blocks<W, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
             uint32_t a[2][4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);
+            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h][0], block, kWide);
             wgmma_fence();
 #pragma unroll
             for (int step = 0; step < 2; ++step)
@@ -2914,27 +2923,27 @@ __device__ __forceinline__ void wide_compute_stage(float (&acc)[kTokens / 8][4],
 // out_of_window is set when this thread's codes of row g + 8h in a block
 // outside that range are not all zero (their bytes are then wrong; zero
 // codes, as in K's zero-filled tail, fold to zero at any shift).
-template <int kTokens, int kRing>
+template <typename W, int kRing, int kTokens = W::kTokens>
 __device__ __forceinline__ void wide_compute_stage_folded(
         float (&acc)[kTokens / 8][4], uint8_t* smem, uint64_t* full, uint64_t* empty, int s, bool first_of_tile,
         const WideLaneOffsets& offsets, FoldedRows& rows, uint32_t& out_of_window) {
-    using W = WideLayout<kTokens>;
-    uint32_t scales[2];
-    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, offsets, scales);
-    if (first_of_tile) rows.set(scales[0], scales[1]);
+    uint32_t scales[2][W::kStageBlocks / 4];
+    const uint8_t* base = wide_stage_slot<W, kRing>(smem, full, s, offsets, scales);
+    if (first_of_tile) rows.set(scales[0][0], scales[1][0]);
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
     // The stage's tests as predicates (a bit mask took a select and an OR per test).
     bool outside[2] = {false, false};
-    wide_stage_blocks<kTokens, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
+    wide_stage_blocks<W, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
         uint32_t a[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint2 bytes = rows.fold(h, words[h], scales[h], block, outside[h]);
+            const uint2 bytes = rows.fold(h, words[h], scales[h][block / 4], block % 4, outside[h]);
             a[h] = bytes.x;       // k 4t..4t+3 of row g + 8h
             a[2 + h] = bytes.y;   // k 16+4t..16+4t+3
         }
         wgmma_fence();
-        // Block b's 32 bytes of each token: chunks 2b, 2b + 1 of the swizzled rows.
+        // Block b's 32 bytes of each token: chunks 2b, 2b + 1 of the swizzled
+        // rows (from block 4 on, in the second 128 bytes of K: act_offset).
         wgmma_e4m3_mma<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
                                 !first_of_tile || block > 0);
     });
@@ -3200,7 +3209,7 @@ stage2_wide_kernel(
 
     // Warp w: rows 16w..16w+15 (warpgroup w/4: rows 64(w/4)..+63).
     const int g = lane >> 2, t = lane & 3, first_row = warp * 16;
-    const WideLaneOffsets lane_offsets = wide_lane_offsets<kTokens>(first_row, lane, [](int r) { return r; });
+    const WideLaneOffsets lane_offsets = wide_lane_offsets<W>(first_row, lane, [](int r) { return r; });
     float acc[kTokens / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kTokens / 8; ++nt)
@@ -3228,8 +3237,8 @@ stage2_wide_kernel(
             FoldedRows rows{};
             uint32_t out_of_window = 0;   // all rows fold (folded_fallback_kernel)
             for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
-                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0,
-                                                          lane_offsets, rows, out_of_window);
+                wide_compute_stage_folded<W, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, lane_offsets,
+                                                    rows, out_of_window);
             wgmma_wait<0>();
             const float row_scale[2] = {rows.row_scale(0), rows.row_scale(1)};
 #pragma unroll
@@ -3238,8 +3247,8 @@ stage2_wide_kernel(
                 for (int i = 0; i < 4; ++i) acc[nt][i] *= row_scale[i >> 1];
         } else {
             for (int stage_in_tile = 0; stage_in_tile < tile_stages; ++stage_in_tile, ++s)
-                wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
-                                                   lane_offsets);
+                wide_compute_stage<W, kRing>(acc, smem, full, empty, s, stage_in_tile == 0, first_row, lane,
+                                             lane_offsets);
             wgmma_wait<0>();
         }
         // The row tile done: into y, and from there into the accumulator.
@@ -3294,7 +3303,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks, int columns,
         int slices, uint8_t* __restrict__ inter, float2* __restrict__ partial, int num_pairs,
         int* __restrict__ redo_tiles, const __grid_constant__ TensorMap weight_map) {
-    using W = WideStage1<kTokens>;
+    using W = WideStage1<kTokens, kFolded>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
     constexpr int kActValueBytes = kFolded ? 1 : 2;
     extern __shared__ __align__(16) uint8_t smem_base[];
@@ -3359,24 +3368,31 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             // instructions per 16-byte copy, the loading warps executing 125
             // M of the call's 319 M warp instructions at bs=512 E=33 d2048
             // (ncu, H200).
-            const uint8_t* src[kPasses];
+            // As 32-bit offsets from act (m * d_hidden_pad values fit:
+            // moe_forward checks), which the 8-block stages' 18 passes
+            // need to keep the kernel in 144 registers.
+            uint32_t src[kPasses];
             uint32_t valid_tokens = 0;
-            // kFolded, chunk 0's threads: the tokens' scales, stored into
-            // unit_token_scale once the unit's first copies are issued (the
-            // loads' round trip then delays no copy).
-            float unit_scales[kFolded ? kPasses : 1];
 #pragma unroll
             for (int j = 0; j < kPasses; ++j) {
                 const int token = p / kChunks + kTokensPerPass * j;
                 const bool valid = token < unit.tile.rows;
-                src[j] = act + (valid ? (size_t)sorted_tokens[unit.tile.row_start + token] * d_hidden_pad
-                                        * kActValueBytes : 0)
-                         + (size_t)unit.first_block * (kScaleBlock * kActValueBytes) + chunk * 16;
+                src[j] = ((valid ? (uint32_t)sorted_tokens[unit.tile.row_start + token] * (uint32_t)d_hidden_pad
+                                 : 0u) + (uint32_t)unit.first_block * kScaleBlock) * kActValueBytes + chunk * 16;
                 valid_tokens |= (uint32_t)valid << j;
-                if constexpr (kFolded)
-                    if (chunk == 0)
-                        unit_scales[j] = valid ? token_scale[sorted_tokens[unit.tile.row_start + token]] : 0.0f;
             }
+            // kFolded: the scales of tokens p + kLoaders * i, stored into
+            // unit_token_scale once the unit's first copies are issued (the
+            // loads' round trip then delays no copy).
+            constexpr int kLoaders = W::kProducerWarps * 32, kScaleTokens = (kTokens + kLoaders - 1) / kLoaders;
+            float unit_scales[kFolded ? kScaleTokens : 1];
+            if constexpr (kFolded)
+#pragma unroll
+                for (int i = 0; i < kScaleTokens; ++i) {
+                    const int token = p + kLoaders * i;
+                    unit_scales[i] = token < unit.tile.rows
+                        ? token_scale[sorted_tokens[unit.tile.row_start + token]] : 0.0f;
+                }
             // Local weight rows p, p + 32 * kProducerWarps, ...: their scales (stage1_kernel's weight_row_of).
             const uint8_t* scale_src[kScaleRows];
 #pragma unroll
@@ -3403,20 +3419,20 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                 const size_t k_offset = (size_t)block0 * (kScaleBlock * kActValueBytes);
 #pragma unroll
                 for (int j = 0; j < kPasses; ++j)
-                    cp_async_16_or_zeros(base + act_dst + j * (kTokensPerPass / 8 * 1024), src[j] + k_offset,
+                    cp_async_16_or_zeros(base + act_dst + j * (kTokensPerPass / 8 * 1024), act + src[j] + k_offset,
                                          copied & 1u << j);
 #pragma unroll
                 for (int i = 0; i < kScaleRows; ++i)
-                    cp_async_small<4>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB,
-                                      scale_src[i] + block0, min(SB, valid_blocks));
+                    cp_async_small<SB>(base + W::kScaleOffset + (p + i * W::kProducerWarps * 32) * SB,
+                                       scale_src[i] + block0, min(SB, valid_blocks));
                 cp_async_commit();
                 if constexpr (kFolded)
-                    if (stage == 0 && chunk == 0)   // before this thread's arrival on the unit's first stage
+                    if (stage == 0)   // before this thread's arrival on the unit's first stage
 #pragma unroll
-                        for (int j = 0; j < kPasses; ++j) {
-                            unit_token_scale[n % kRing * kTokens + p / kChunks + kTokensPerPass * j] =
-                                unit_scales[j];
-                            if (isnan(unit_scales[j])) *redo_tiles = num_tiles;   // Qa could not fold the token
+                        for (int i = 0; i < kScaleTokens; ++i) {
+                            if (p + kLoaders * i < kTokens)
+                                unit_token_scale[n % kRing * kTokens + p + kLoaders * i] = unit_scales[i];
+                            if (isnan(unit_scales[i])) *redo_tiles = num_tiles;   // Qa could not fold the token
                         }
                 if (stage > 0) {   // the previous stage's copies have landed: fence them, mark that stage full
                     cp_async_wait<1>();
@@ -3435,7 +3451,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     // 8w..8w+7 (g) and their up rows (g+8).
     const int g = lane >> 2, t = lane & 3, first_row = warp * 16, local_col = warp * 8 + g;
     // The weight map's two boxes: gate and up rows.
-    const WideLaneOffsets lane_offsets = wide_lane_offsets<kTokens>(first_row, lane, gate_up_box_row);
+    const WideLaneOffsets lane_offsets = wide_lane_offsets<W>(first_row, lane, gate_up_box_row);
     float acc[kTokens / 8][4];   // each unit's first MMA overwrites it (scale-d 0); zeroed for ptxas
 #pragma unroll
     for (int nt = 0; nt < kTokens / 8; ++nt)
@@ -3447,8 +3463,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
             FoldedRows rows{};
             uint32_t out_of_window = 0;
             for (int stage = 0; stage < unit.n_stages; ++stage, ++s)
-                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, lane_offsets, rows,
-                                                          out_of_window);
+                wide_compute_stage_folded<W, kRing>(acc, smem, full, empty, s, stage == 0, lane_offsets, rows,
+                                                    out_of_window);
             wgmma_wait<0>();
             // The sums times their rows' and tokens' scales (NaN for a row
             // that met a block outside its fold, or a token Qa could not fold).
@@ -3475,8 +3491,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                 }
         } else {
             for (int stage = 0; stage < unit.n_stages; ++stage, ++s)
-                wide_compute_stage<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane,
-                                                   lane_offsets);
+                wide_compute_stage<W, kRing>(acc, smem, full, empty, s, stage == 0, first_row, lane,
+                                             lane_offsets);
             wgmma_wait<0>();
         }
         if (slices > 1) {
@@ -3883,41 +3899,47 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
 template <int kTokens>
 void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* redo_tiles) {
     using W = WideStage1<kTokens>;
+    using F = WideStage1<kTokens, true>;   // the folded kernel's 8-block stages
     TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     const auto stage1 = stage1_wide_kernel<kTokens, false>;
     const auto stage1_folded = stage1_wide_kernel<kTokens, true>;
-    constexpr int kFoldedSharedBytes = W::kSharedBytes + W::kFoldedExtraBytes;
+    constexpr int kFoldedSharedBytes = F::kSharedBytes + F::kFoldedExtraBytes;
+    static_assert(F::kThreads == W::kThreads && F::kStageBlocks % W::kStageBlocks == 0, "one grid, one slicing");
     allow_shared_memory(stage1, W::kSharedBytes);
     allow_shared_memory(stage1_folded, kFoldedSharedBytes);
     const int k_blocks = c.k_blocks1();
-    const Stage1Slices slices = stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
-        : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
+    // Slices of whole folded stages: the bf16 redo writes the same partial sums.
+    const Stage1Slices slices = folded
+        ? stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
+              : stage1_splits<F>(stage1_folded, kFoldedSharedBytes, c.columns1(), t.estimate, k_blocks),
+              F::kStageBlocks)
+        : stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
+              : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
     const int n_slices = slices.count();
     // Persistent CTAs: every CTA slot, or fewer if the most units the routing can give are fewer.
     const long long units = (long long)t.max_tiles * c.columns1() * n_slices;
     const long long slots = (long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count();
     const dim3 grid((unsigned)std::max(1LL, std::min(units, slots)));
-    auto launch = [&](auto kernel, int shared_bytes, const uint8_t* act, const float* token_scale,
+    auto launch = [&](auto kernel, int shared_bytes, int stage_blocks, const uint8_t* act, const float* token_scale,
                       const int* num_tiles) {
         launch_after_previous(kernel, grid, W::kThreads, shared_bytes, c.stream,
             c.gate_up_scale.data_ptr<uint8_t>(), act, token_scale, c.sorted_tokens, c.expert_offsets, t.tiles,
             num_tiles, c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.columns1(),
-            n_slices, c.inter.bytes(), slices.partial_ptr(), c.num_pairs, redo_tiles,
-            gate_up_map(c, W::kStageBlocks));
+            n_slices, c.inter.bytes(), slices.partial_ptr(), c.num_pairs, redo_tiles, gate_up_map(c, stage_blocks));
     };
     if (folded) {
         TORCH_CHECK(ctas_per_sm(stage1_folded, W::kThreads, kFoldedSharedBytes) * sm_count() == slots,
                     "moe_mxfp4: the folded wide stage 1 must fit the bf16 one's CTAs");
-        launch(stage1_folded, kFoldedSharedBytes, c.act.bytes(), c.act.token_scales(), t.count);
+        launch(stage1_folded, kFoldedSharedBytes, F::kStageBlocks, c.act.bytes(), c.act.token_scales(), t.count);
         // One CTA per SM: each fits beside an e4m3 CTA, to wait there for the flag.
         launch_after_previous(folded_fallback_kernel, dim3(sm_count()), kFallbackThreads, 0, c.stream,
                               c.hidden, c.tokens, c.d_hidden, c.d_hidden_pad, redo_tiles, c.act.fallback_bytes(),
                               c.down_scale.data_ptr<uint8_t>(), c.n_experts, c.d_expert_pad, c.k_blocks2(),
                               c.stage2_redo);
-        launch(stage1, W::kSharedBytes, c.act.fallback_bytes(), nullptr, redo_tiles);
+        launch(stage1, W::kSharedBytes, W::kStageBlocks, c.act.fallback_bytes(), nullptr, redo_tiles);
     } else {
-        launch(stage1, W::kSharedBytes, c.act.bytes(), nullptr, t.count);
+        launch(stage1, W::kSharedBytes, W::kStageBlocks, c.act.bytes(), nullptr, t.count);
     }
     launch_swiglu_quantize<false>(c, slices);
 }

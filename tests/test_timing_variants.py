@@ -26,7 +26,7 @@ def test_variants_combine():
 
 
 def test_a_variant_whose_text_is_gone_refuses():
-    with pytest.raises(SystemExit, match="0 of an edit's 1 forms"):
+    with pytest.raises(SystemExit, match=r"0 of an edit's \d+ forms"):
         timing_variants.apply(SOURCE.replace("bf16_fragment_half", "renamed"), "wide_no_dequant")
 
 

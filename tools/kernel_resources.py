@@ -37,12 +37,12 @@ void show() {
     printf("\n");
 }
 // A wide kernel; each CTA's share of the SM is 227 KB over its CTAs per SM
-// (stage 1's kCtasPerSm1, stage 2's kCtasPerSm). Stage 1's total holds the
-// folded form's token scales too, its larger launch.
+// (stage 1's kCtasPerSm1, stage 2's kCtasPerSm). Stage 1's folded form
+// (8-block stages) holds its token scales too.
 template <typename W>
 void show_wide(int stage, int ctas_per_sm, int folded_bytes) {
-    printf("wide stage %d, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue", stage,
-           W::kTokens, ctas_per_sm, (W::kSharedBytes + folded_bytes) / 1024.0, W::kRing, W::kStageBytes / 1024.0,
+    printf("wide stage %d%s, %d tokens, %d per SM: %.1f KB (%d x %.1f KB stages, %.1f KB epilogue", stage,
+           folded_bytes ? " folded" : "", W::kTokens, ctas_per_sm, (W::kSharedBytes + folded_bytes) / 1024.0, W::kRing, W::kStageBytes / 1024.0,
            W::kEpilogueBytes / 1024.0);
     if (folded_bytes) printf(", %.1f KB token scales", folded_bytes / 1024.0);
     printf(")\n");
@@ -51,9 +51,11 @@ int main() {
     printf("%-34s %8s %12s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048");
 #define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
     MOE_GEMM_CONFIGS(MOE_SHOW)
-    show_wide<WideStage1<64>>(1, WideStage1<64>::kCtasPerSm1, WideStage1<64>::kFoldedExtraBytes);
+    show_wide<WideStage1<64>>(1, WideStage1<64>::kCtasPerSm1, 0);
+    show_wide<WideStage1<64, true>>(1, WideStage1<64>::kCtasPerSm1, WideStage1<64, true>::kFoldedExtraBytes);
     show_wide<WideStage2<64>>(2, WideStage2<64>::kCtasPerSm, 0);
-    show_wide<WideStage1<144>>(1, WideStage1<144>::kCtasPerSm1, WideStage1<144>::kFoldedExtraBytes);
+    show_wide<WideStage1<144>>(1, WideStage1<144>::kCtasPerSm1, 0);
+    show_wide<WideStage1<144, true>>(1, WideStage1<144>::kCtasPerSm1, WideStage1<144, true>::kFoldedExtraBytes);
     show_wide<WideStage2<144>>(2, WideStage2<144>::kCtasPerSm, 0);
 }
 """

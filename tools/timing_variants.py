@@ -115,7 +115,9 @@ VARIANTS = {
         "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
         [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);",
-           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h];"),)]),
+           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h];"),
+          ("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h][0], block, kWide);",
+           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h][0];"))]),
     "wide_folded_no_convert": (
         "the folded wide consumers (stage 1 at 64 and 144 tokens, stage 2 at 144) give their e4m3 MMAs the raw "
         "fp4 words and their scale words (no fold through the tables, no window test): what the conversion "
@@ -124,7 +126,9 @@ VARIANTS = {
            "outside[h]);",
            "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),
           ("            const uint2 bytes = rows.fold(h, words[h], scales[h], block, outside[h]);",
-           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"))]),
+           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),
+          ("            const uint2 bytes = rows.fold(h, words[h], scales[h][block / 4], block % 4, outside[h]);",
+           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h][block / 4]);"))]),
     "plain_folded_no_convert": (
         "the plain e4m3 stage 1's folded pass (16 to 32 tokens) gives its MMAs the raw fp4 words and their "
         "scale words (no fold through the tables, no window test): what the conversion costs that kernel",
@@ -234,7 +238,14 @@ VARIANTS = {
            "            for (int step = 0; step < 2; ++step)\n"
            "                wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,\n"
            "                                    !first_of_tile || block > 0 || step > 0);\n",
-           _E4M3_FOLDED_BLOCK),)]),
+           _E4M3_FOLDED_BLOCK),
+          ("            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h][0], block, kWide);\n"
+           "            wgmma_fence();\n"
+           "#pragma unroll\n"
+           "            for (int step = 0; step < 2; ++step)\n"
+           "                wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,\n"
+           "                                    !first_of_tile || block > 0 || step > 0);\n",
+           _E4M3_FOLDED_BLOCK.replace("scales[h] >>", "scales[h][0] >>")))]),
     "plain_e4m3_mma": (
         "the plain configs' warps (the 64-token wgmma stage 1) take one e4m3 m64n64k32 MMA per scale block "
         "instead of two bf16 k16 ones, on A fragments built as folded e4m3 would be, B the same activation "

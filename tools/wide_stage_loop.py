@@ -102,11 +102,11 @@ __device__ __forceinline__ void stage_without_fold(float (&acc)[kTokens / 8][4],
                                                    uint64_t* empty, int s, bool first_of_tile,
                                                    const WideLaneOffsets& offsets) {
     using W = WideLayout<kTokens>;
-    uint32_t scales[2];
-    const uint8_t* base = wide_stage_slot<kTokens, kRing>(smem, full, s, offsets, scales);
+    uint32_t scales[2][1];
+    const uint8_t* base = wide_stage_slot<W, kRing>(smem, full, s, offsets, scales);
     const uint32_t act_descriptor = wgmma_descriptor_low(base + W::kActOffset);
-    wide_stage_blocks<kTokens, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
-        const uint32_t a[4] = {words[0], words[1], words[0] ^ scales[0], words[1] ^ scales[1]};
+    wide_stage_blocks<W, kRing>(base, empty, s, offsets, [&](int block, const uint32_t (&words)[2]) {
+        const uint32_t a[4] = {words[0], words[1], words[0] ^ scales[0][0], words[1] ^ scales[1][0]};
         wgmma_fence();
         wgmma_e4m3_mma<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,
                                 !first_of_tile || block > 0);
@@ -195,7 +195,7 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
         return;
     }
 
-    const WideLaneOffsets offsets = wide_lane_offsets<kTokens>(warp * 16, lane, [](int r) { return r; });
+    const WideLaneOffsets offsets = wide_lane_offsets<W>(warp * 16, lane, [](int r) { return r; });
     float acc[kTokens / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kTokens / 8; ++nt)
@@ -210,8 +210,8 @@ stage_loop_kernel(int units, int unit_stages, const uint8_t* __restrict__ acts, 
             if constexpr (kFeed == kNoFold)
                 stage_without_fold<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, offsets);
             else
-                wide_compute_stage_folded<kTokens, kRing>(acc, smem, full, empty, s, stage == 0, offsets, rows,
-                                                          out_of_window);
+                wide_compute_stage_folded<W, kRing>(acc, smem, full, empty, s, stage == 0, offsets, rows,
+                                                    out_of_window);
         wgmma_wait<0>();
         total += acc[0][0];   // row 16 warp + g, token 2t: 7168 products of 1.0 a unit (not for no_fold)
     }
