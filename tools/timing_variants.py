@@ -89,6 +89,11 @@ _E4M3_PLAIN_BLOCK = (
       "                    wgmma_m64n64k32_e4m3(acc[0], a[0][0], act_descriptor + S::act_offset(0, block * 4) / 16, 1u);\n")
 
 # name: (what it removes, [edit, ...]), an edit being alternatives (old, new), ...
+# The plain e4m3 per-block pass's rescale of a block's sums (compute_blocks_fp8, narrow scales).
+_PLAIN_E4M3_RESCALE = ("                            acc[mt][nt][i] = fmaf(sum[mt][nt][i] * weight_factor[i >> 1], "
+                       "act_factor[nt][i & 1],\n"
+                       "                                                  acc[mt][nt][i]);")
+
 VARIANTS = {
     "wide_no_act_copy": (
         "stage1_wide_kernel's loaders copy no activations (the consumers read stale shared memory)",
@@ -213,6 +218,16 @@ VARIANTS = {
            "d_hidden_pad,",
            "        if (d_hidden < 0) add_weighted_rows<kBatch>(y, tile, lookup, row0 + row_tile * kRows, d_hidden, "
            "accumulator, d_hidden_pad,"),)]),
+    "plain_e4m3_token_scaled": (
+        "the plain e4m3 per-block pass (both stages of the 8-token configs, stage 2 of every e4m3 config) "
+        "rescales each block's sums by the weight row's factor alone, one FFMA, and loads no activation "
+        "scale factors: what folding the activations to one scale per token (applied after K) could give it",
+        [((_PLAIN_E4M3_RESCALE,
+           "                            acc[mt][nt][i] = fmaf(sum[mt][nt][i], weight_factor[i >> 1], acc[mt][nt][i]);"),)]),
+    "plain_e4m3_no_rescale": (
+        "the plain e4m3 per-block pass adds each block's sums unscaled (one FADD, no scale factors at all): "
+        "a bound on folding both operands, whose MMAs would accumulate across blocks themselves",
+        [((_PLAIN_E4M3_RESCALE, "                            acc[mt][nt][i] += sum[mt][nt][i];"),)]),
     "plain_no_act_copy": (
         "gemm_mainloop copies no activations by cp.async (the plain and e4m3 configs' stage 1, and their "
         "stage 2 where it does not load them by TMA; the consumers read stale shared memory)",
