@@ -88,12 +88,12 @@ _E4M3_PLAIN_BLOCK = (
       "                    wgmma_fence();\n"
       "                    wgmma_m64n64k32_e4m3(acc[0], a[0][0], act_descriptor + S::act_offset(0, block * 4) / 16, 1u);\n")
 
-# name: (what it removes, [edit, ...]), an edit being alternatives (old, new), ...
 # The plain e4m3 per-block pass's rescale of a block's sums (compute_blocks_fp8, narrow scales).
 _PLAIN_E4M3_RESCALE = ("                            acc[mt][nt][i] = fmaf(sum[mt][nt][i] * weight_factor[i >> 1], "
                        "act_factor[nt][i & 1],\n"
                        "                                                  acc[mt][nt][i]);")
 
+# name: (what it removes, [edit, ...]), an edit being alternatives (old, new), ...
 VARIANTS = {
     "wide_no_act_copy": (
         "stage1_wide_kernel's loaders copy no activations (the consumers read stale shared memory)",
