@@ -322,6 +322,16 @@ def poison_allocator():
     del block
 
 
+def check_every_call(run, expected, calls):
+    """run() matches expected on each of `calls` calls in a row, each on
+    NaN-poisoned fresh memory (a kernel reading another's output too early
+    may show only from a process's third call on)."""
+    for call in range(calls):
+        poison_allocator()
+        ok, message = reference.compare_outputs(run(), expected)
+        assert ok, f"call {call}: {message}"
+
+
 def run_checked(data, rel_l2_bound=2e-3, run=None, reference_data=None):
     """Run on data (the allocator poisoned first) and compare with the
     reference on reference_data (default: data)."""
@@ -678,11 +688,7 @@ def test_folded_wide_stage1_redo_is_right_on_every_call(config, splits):
     expected = reference.ref_kernel(data)
     assert torch.isnan(expected).any() and not torch.isnan(expected).all()
     module = solution._backend(torch.device("cuda"))[1]
-    for call in range(12):
-        poison_allocator()
-        out = solution._run_kernels(module, data, config, stage1_splits=splits)
-        ok, message = reference.compare_outputs(out, expected)
-        assert ok, f"call {call}: {message}"
+    check_every_call(lambda: solution._run_kernels(module, data, config, stage1_splits=splits), expected, 12)
 
 
 @needs_cuda
@@ -695,13 +701,8 @@ def test_folded_wide_stage2_redo_is_right_on_every_call():
     rows = torch.randint(0, data[4].view(torch.uint8).reshape(-1, data[4].shape[-1]).shape[0], (40,),
                          generator=torch.Generator().manual_seed(55))
     data = with_first_block_scales_moved(data, rows, 8, index=4)
-    expected = reference.ref_kernel(data)
     module = solution._backend(torch.device("cuda"))[1]
-    for call in range(8):
-        poison_allocator()
-        out = solution._run_kernels(module, data, WIDE_144)
-        ok, message = reference.compare_outputs(out, expected)
-        assert ok, f"call {call}: {message}"
+    check_every_call(lambda: solution._run_kernels(module, data, WIDE_144), reference.ref_kernel(data), 8)
 
 
 @needs_cuda
@@ -790,23 +791,30 @@ def test_custom_kernel_refuses_more_tokens_than_the_accumulator_indices_hold():
         solution.custom_kernel(data)
 
 
-@needs_cuda
-def test_a_check_inside_the_extension_raises_runtime_error():
-    """A check inside moe_forward (a config with no kernels built) raises
-    RuntimeError with its message. In a child process: on the H200 machine
-    a TORCH_CHECK thrown there ended the process with a segmentation fault
-    (2026-12-03), which would take pytest down with it."""
-    script = ("import torch, solution, reference\n"
-              "data = reference.generate_input(512, 256, 8, 2, 1, 8, 1)\n"
-              "module = solution._backend(torch.device('cuda'))[1]\n"
-              "try:\n"
-              "    solution._run_kernels(module, data, solution.KernelConfig(8, 16, 8, 8, 5, True, True, 32))\n"
-              "except RuntimeError as error:\n"
-              "    print('raised:', error)\n")
+def output_of_a_child_call(setup, call):
+    """What a fresh Python process in the repository prints when it runs
+    setup (lines that import nothing but torch, solution and reference),
+    then call, printing "raised: MESSAGE" for a RuntimeError; it must exit
+    cleanly. Checks inside the extension are tried this way: on the H200
+    machine a TORCH_CHECK thrown there ended the process with a segmentation
+    fault (2026-12-03), which would take pytest down with it."""
+    script = ("import torch, solution, reference\n" + setup
+              + f"try:\n    {call}\nexcept RuntimeError as error:\n    print('raised:', error)\n")
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
                            cwd=os.path.join(os.path.dirname(__file__), ".."))
     assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-2000:]
-    assert "raised: moe_mxfp4: no kernels built for tile_tokens=8, warp_rows=16" in child.stdout, child.stdout
+    return child.stdout
+
+
+@needs_cuda
+def test_a_check_inside_the_extension_raises_runtime_error():
+    """A check inside moe_forward (a config with no kernels built) raises
+    RuntimeError with its message."""
+    out = output_of_a_child_call("data = reference.generate_input(512, 256, 8, 2, 1, 8, 1)\n"
+                                 "module = solution._backend(torch.device('cuda'))[1]\n",
+                                 "solution._run_kernels(module, data, "
+                                 "solution.KernelConfig(8, 16, 8, 8, 5, True, True, 32))")
+    assert "raised: moe_mxfp4: no kernels built for tile_tokens=8, warp_rows=16" in out, out
 
 
 @needs_cuda
@@ -823,22 +831,16 @@ def test_misaligned_weights_and_scales_give_the_same_result(config):
 @needs_cuda
 def test_the_extension_refuses_misaligned_weights():
     """The dispatcher realigns; a direct caller of moe_forward gets a
-    RuntimeError naming the tensor. In a child process, as above."""
-    script = ("import torch, solution, reference\n"
-              "data = reference.generate_input(1024, 512, 16, 4, 1, 16, 53)\n"
-              "args = list(solution._moe_forward_args(data))\n"
-              "view = torch.empty(args[1].numel() + 1, dtype=torch.uint8, device='cuda')[1:].view(args[1].shape)\n"
-              "view.copy_(args[1])\n"
-              "args[1] = view\n"
-              "module = solution._backend(torch.device('cuda'))[1]\n"
-              "try:\n"
-              "    module.moe_forward(*args)\n"
-              "except RuntimeError as error:\n"
-              "    print('raised:', error)\n")
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
-                           cwd=os.path.join(os.path.dirname(__file__), ".."))
-    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-2000:]
-    assert "raised: moe_mxfp4: gate_up_weight must start on a 16-byte boundary" in child.stdout, child.stdout
+    RuntimeError naming the tensor."""
+    out = output_of_a_child_call(
+        "data = reference.generate_input(1024, 512, 16, 4, 1, 16, 53)\n"
+        "args = list(solution._moe_forward_args(data))\n"
+        "view = torch.empty(args[1].numel() + 1, dtype=torch.uint8, device='cuda')[1:].view(args[1].shape)\n"
+        "view.copy_(args[1])\n"
+        "args[1] = view\n"
+        "module = solution._backend(torch.device('cuda'))[1]\n",
+        "module.moe_forward(*args)")
+    assert "raised: moe_mxfp4: gate_up_weight must start on a 16-byte boundary" in out, out
 
 
 @needs_cuda
