@@ -3909,13 +3909,15 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     allow_shared_memory(stage1, W::kSharedBytes);
     allow_shared_memory(stage1_folded, kFoldedSharedBytes);
     const int k_blocks = c.k_blocks1();
-    // Slices of whole folded stages: the bf16 redo writes the same partial sums.
-    const Stage1Slices slices = folded
-        ? stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
-              : stage1_splits<F>(stage1_folded, kFoldedSharedBytes, c.columns1(), t.estimate, k_blocks),
-              F::kStageBlocks)
-        : stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
-              : stage1_splits<W>(stage1, W::kSharedBytes, c.columns1(), t.estimate, k_blocks), W::kStageBlocks);
+    // The slices of the kernel that runs first, in its whole stages (folded:
+    // the bf16 redo writes the same partial sums over them).
+    auto slices_of = [&](auto layout, auto kernel, int shared_bytes) {
+        using S = decltype(layout);
+        return stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
+            : stage1_splits<S>(kernel, shared_bytes, c.columns1(), t.estimate, k_blocks), S::kStageBlocks);
+    };
+    const Stage1Slices slices = folded ? slices_of(F{}, stage1_folded, kFoldedSharedBytes)
+                                       : slices_of(W{}, stage1, W::kSharedBytes);
     const int n_slices = slices.count();
     // Persistent CTAs: every CTA slot, or fewer if the most units the routing can give are fewer.
     const long long units = (long long)t.max_tiles * c.columns1() * n_slices;
