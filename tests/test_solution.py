@@ -275,8 +275,10 @@ HOST_HEADER_STUBS = {
 def test_launchers_parse_with_torch_headers(tmp_path):
     """The whole extension source, kernels and host launchers, with this
     machine's torch headers and load_inline's flags, through nvcc's host front
-    end (cudafe++; about 25 s, where a full build takes 5 minutes on two
-    cores): the device-only build above never sees the launchers. It cannot
+    end (cudafe++) and then the host compiler's syntax pass over its output
+    (about 50 s, where a full build takes 5 minutes on two cores): the
+    device-only build above never sees the launchers, and cudafe++ alone
+    passed an error inside a launcher template's body (2026-12-03). It cannot
     stand in for the device's build: a launcher line that the H200's torch
     2.11 headers rejected (`data_ptr<float>()` on a `const auto` tensor whose
     type depended on a template parameter) passes here with torch 2.13's."""
@@ -305,8 +307,15 @@ def test_launchers_parse_with_torch_headers(tmp_path):
             steps.append(f"export {name}='{value.strip()}'" if name else value)
     host_front_end = next((i for i, step in enumerate(steps) if step.startswith("cudafe++ ")), None)
     assert host_front_end is not None, steps
+    # The host compiler's step over the front end's output, as a syntax pass: it would include the device
+    # build's fatbinary through the stub file, which stands empty here.
+    host_compile = [step for step in steps[host_front_end + 1:] if ".cudafe1.cpp" in step
+                    and step.split()[0] in ("gcc", "g++", "cc", "c++")]
+    assert host_compile, steps
+    syntax_pass = re.sub(r' -o "?\S+"?', " ", host_compile[-1]) + " -fsyntax-only"
+    (tmp_path / "moe.cudafe1.stub.c").write_text("")
     script = tmp_path / "host_front_end.sh"
-    script.write_text("set -e\n" + "\n".join(steps[:host_front_end + 1]) + "\n")
+    script.write_text("set -e\n" + "\n".join(steps[:host_front_end + 1]) + "\n" + syntax_pass + "\n")
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path)
     errors = [line for line in run.stdout.splitlines() + run.stderr.splitlines() if "error" in line]
     assert run.returncode == 0, "\n".join(errors[:20]) or run.stderr[-3000:]
