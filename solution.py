@@ -50,7 +50,10 @@ fit E4M3's window; where one does not, the bf16 kernel computes stage 1
 again. At 144 tokens stage 2 folds the same way, its intermediate rows folded
 by a pass of their own after stage 1; whether all of them and all down-weight
 rows fold is known before it starts (its adds are final), and if not the bf16
-kernel does all of stage 2. Only the e4m3 tensor cores' accumulation keeps
+kernel does all of stage 2. The plain e4m3 tiles' stage 1 reads the same
+folded activations: from 16 tokens on folded weights too, at 8 tokens with
+each block's sum scaled by its weight scale alone; a CTA whose rows or
+tokens do not fit runs its K again per block. Only the e4m3 tensor cores' accumulation keeps
 fewer bits than fp32 (about 1e-6 relative, tools/fp8_accumulation.py).
 
 On ROCm with AITER importable, AITER's fused_moe runs (as the official
@@ -329,6 +332,21 @@ MOE_HD uint2 fp4_word_to_folded_e4m3(uint32_t word, uint32_t lo, uint32_t hi) {
     const uint32_t y = byte_perm(lo, hi, magnitudes >> 16) | (byte_perm(word, shifted, 0x3726u) & 0x80808080u);
     return make_uint2(x, y);
 }
+// fp4_word_to_folded_e4m3's bytes (values 0-3 in .x, 4-7 in .y) in the
+// per-block pass's order: even values, then odd, as fp4_even_to_e4m3 and
+// fp4_odd_to_e4m3 give the weights (fp8_act_position). The 8-token e4m3
+// stage 1's folded activations take this order (ScalePath::kTokenScaled),
+// so that its weights keep the per-block pass's cheaper conversion.
+MOE_HD uint2 folded_to_per_block_order(uint2 bytes) {
+    return make_uint2(byte_perm(bytes.x, bytes.y, 0x6420u), byte_perm(bytes.x, bytes.y, 0x7531u));
+}
+// The largest weight scale byte the token-scaled pass takes: each block's
+// sum P (of weight codes times 2^-6 and folded activation bytes, |P| <=
+// 32 * 6 * 2^-6 * 384 = 1152) is added as P * 2^(s - 121), and the 256
+// blocks of a row of 8,192 values (the folded rows' longest) stay below
+// 2^(s - 102), finite up to s = 229; bytes above 224 (255, NaN, among them)
+// take the per-block pass.
+constexpr uint32_t kTokenScaledNarrowScale = 224;
 
 // Qa's block exponent e for a block whose largest magnitude is amax (not
 // NaN): amax's bits plus 0x200000, masked to the exponent, e = log2 - 2,
@@ -649,10 +667,12 @@ GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8,
                 KernelConfig(24, 16, 24, 8, 3, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
 # The kernels' template arguments, once each (a config with wide tiles
 # shares them with the plain one).
-# The e4m3 configs whose stage 1 also has its folded form (stage1_kernel's
-# kFolded): 16 tokens and up. At 8 tokens the folded stage loop has as many
-# instructions as the per-block one (517 against 521; the rescale is small
-# there) and the call measured 4-5% slower (H200, 2026-12-02).
+# Every e4m3 config's stage 1 has a folded form (stage1_kernel's kFolded),
+# on activations Qa folds per token. From 16 tokens the weights fold too
+# (one accumulating MMA per block); at 8 tokens that stage loop had as many
+# instructions as the per-block one (517 against 521) and the call measured
+# 4-5% slower (H200, 2026-12-02), so there each block's sum is scaled by its
+# weight factor alone (ScalePath::kTokenScaled).
 FOLDED_STAGE1_MIN_TOKENS = 16
 
 
@@ -664,8 +684,7 @@ def _config_macro(name: str, configs) -> str:
 
 
 GEMM_CONFIG_SOURCE = (_config_macro("MOE_GEMM_CONFIGS", GEMM_CONFIGS)
-                      + _config_macro("MOE_FOLDED_STAGE1_CONFIGS", [c for c in GEMM_CONFIGS if c.fp8
-                                                                    and c.tile_tokens >= FOLDED_STAGE1_MIN_TOKENS])
+                      + _config_macro("MOE_FOLDED_STAGE1_CONFIGS", [c for c in GEMM_CONFIGS if c.fp8])
                       + f"constexpr int kFoldedStage1MinTokens = {FOLDED_STAGE1_MIN_TOKENS};\n")
 
 
@@ -1142,7 +1161,8 @@ struct GemmShape {
     // 128-thread CTAs of two 64-row tiles per warpgroup: three CTAs) and 128
     // (16 to 32 tokens; 80 spills at 16).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
-    // Stage 1 has a folded form (stage1_kernel's kFolded; see FOLDED_STAGE1_MIN_TOKENS).
+    // Stage 1's folded form (stage1_kernel's kFolded) folds the weights too
+    // (see FOLDED_STAGE1_MIN_TOKENS).
     static constexpr bool kFoldedStage1 = FP8 && kTokens >= kFoldedStage1MinTokens;
     // Stage 1 loads its weights by TMA, two boxes per stage (gemm_mainloop's
     // kWeightBoxes), in the warpgroup-MMA configs but the 24- and 32-token
@@ -1206,9 +1226,11 @@ struct GemmShape {
 // zero; the last tile's are left in acc. mma.sync configs only (kRowTiles).
 // kPath: how a stage picks the narrow or the wide weight-scale path (see
 // ScalePath); returns, for kNarrowChecked, whether any weight scale needed
-// the wide path, and for kFolded, whether a weight row left its fold window
-// (the accumulators are then wrong, and K must run again with kWide), else
-// false. kNarrowChecked, kFolded and kWide: one row tile (row_tiles 1).
+// the wide path, for kTokenScaled, whether any was above
+// kTokenScaledNarrowScale, and for kFolded, whether a weight row left its
+// fold window (the accumulators are then wrong, and K must run again with
+// kWide), else false. kNarrowChecked, kTokenScaled, kFolded and kWide: one
+// row tile (row_tiles 1).
 // kFoldedBytes (e4m3 stage 1 on quantize_hidden_row_folded's bytes): the
 // activations are in folded_act_position's order, so kWide converts the
 // weights to that order too.
@@ -1217,6 +1239,7 @@ enum class ScalePath {
     kNarrowChecked,   // every stage narrow, no vote; each thread checks the scales it loads
     kWide,            // every stage wide
     kFolded,          // e4m3 on folded bytes: each block's MMA adds into acc, no per-block rescale
+    kTokenScaled,     // e4m3, activations folded per token: each block's sum times its weight factor alone
 };
 // A thread's two rows' fold (rows g and g + 8 of an m-tile of its warp;
 // gemm_mainloop's kFolded, the wide kernels' folded forms): base, their
@@ -1283,6 +1306,11 @@ __device__ __forceinline__ bool gemm_mainloop(
     constexpr uint32_t kNarrowLimit = S::kFp8 ? kFp8NarrowScale : 128u;   // scale bytes above it take kWide
     static_assert(!(kFoldedBytes || kPath == ScalePath::kFolded) || (S::kFp8 && kFoldedBytes),
                   "folded passes: e4m3 configs on folded bytes");
+    static_assert(kPath != ScalePath::kTokenScaled || (S::kFp8 && !kFoldedBytes),
+                  "the token-scaled pass: e4m3 configs on bytes in the per-block order");
+    // The passes that read the activations' block scales (the folded ones
+    // apply the tokens' scales after K, in stage1_kernel).
+    constexpr bool kActScales = kPath != ScalePath::kFolded && kPath != ScalePath::kTokenScaled;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int first_row = S::first_row(warp), first_tile = S::first_token(warp) / 8;
     const int tile_stages = (k_blocks + SB - 1) / SB;
@@ -1414,7 +1442,7 @@ __device__ __forceinline__ bool gemm_mainloop(
                                 valid ? act_src_bytes[j] : 0);
                 }
         }
-        if (kPath != ScalePath::kFolded && S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
+        if (kActScales && S::kActScaleCopies > 0 && tid < S::kActScaleCopies) {
             constexpr int kCopyBlocks = S::kActScaleCopyBlocks;
             const int valid_blocks = kTail ? min(kCopyBlocks, max(0, blocks - act_scale_block))
                                            : kCopyBlocks;
@@ -1446,14 +1474,15 @@ __device__ __forceinline__ bool gemm_mainloop(
     // (load_stage_fragments), each later pair's words while the pair before
     // it is converted. (ldmatrix is asm volatile: it stays where it is written.)
     uint32_t scales[MT][2][SB / 4];
-    // kNarrowChecked: set by any thread that loaded a scale byte above
-    // kNarrowLimit (shared memory, not a register live across K: the
+    // kNarrowChecked, kTokenScaled: set by any thread that loaded a scale
+    // byte above its limit (shared memory, not a register live across K: the
     // 32-token stage 1 is at its register cap); kFolded: by any thread whose
     // outside_window is set at the end (a NaN scale byte, or rows that left
     // their window).
     __shared__ int saw_wide_scale;
     bool outside_window = false;
-    constexpr bool kChecked = kPath == ScalePath::kNarrowChecked || kPath == ScalePath::kFolded;
+    constexpr bool kChecked = kPath == ScalePath::kNarrowChecked || kPath == ScalePath::kTokenScaled
+                           || kPath == ScalePath::kFolded;
     if (kChecked && tid == 0) saw_wide_scale = 0;   // before the first stage's barrier
     // The shared-memory row of local weight row r (two TMA boxes: see kWeightBoxes).
     auto weight_smem_row = [](int r) {
@@ -1478,11 +1507,13 @@ __device__ __forceinline__ bool gemm_mainloop(
                     scales[mt][h][i] = *reinterpret_cast<const uint32_t*>(
                         ws_s + (first_row + mt * S::kMTileStride + g + 8 * h) * SB + 4 * i);
         // The checked passes' scale test (the warps' rows g, g+8 cover all of
-        // the CTA's): kNarrowChecked, any byte above kNarrowLimit; kFolded,
-        // any of 255 (NaN), which makes its whole block NaN, zero codes
-        // included, where the fold's window test lets zero codes pass.
+        // the CTA's): kNarrowChecked, any byte above kNarrowLimit;
+        // kTokenScaled, above kTokenScaledNarrowScale; kFolded, any of 255
+        // (NaN), which makes its whole block NaN, zero codes included, where
+        // the fold's window test lets zero codes pass.
         if constexpr (kChecked) {
-            constexpr uint32_t kLimit = kPath == ScalePath::kFolded ? 254u : kNarrowLimit;
+            constexpr uint32_t kLimit = kPath == ScalePath::kFolded ? 254u
+                                      : kPath == ScalePath::kTokenScaled ? kTokenScaledNarrowScale : kNarrowLimit;
             uint32_t above = 0;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -1562,15 +1593,21 @@ __device__ __forceinline__ bool gemm_mainloop(
     // kWide: the exponent sum c, split into two factors that cannot
     // overflow, the first applied exactly; scale byte 255 is NaN. (Generic
     // in wide, a std::bool_constant, so that only FP8 configs compile it.)
+    // kTokenScaled (narrow only): the activations are folded bytes, each
+    // token's blocks against its own base (quantize_hidden_row_folded in
+    // the per-block order), so P * 2^(s - 121) alone, one fma with no
+    // activation factor: the tokens' 2^base multiply the sums after K.
     auto compute_blocks_fp8 = [&](auto wide, const uint8_t* w_s, const uint8_t* a_s, const float* a_scale_s) {
         constexpr bool kWide = decltype(wide)::value;
+        constexpr bool kTokenScaled = kPath == ScalePath::kTokenScaled;
+        static_assert(!(kWide && kTokenScaled), "the token-scaled pass has no wide stages");
         const int t = lane & 3;
         const uint32_t act_descriptor = wgmma_descriptor_low(a_s);
         float sums[2][MT][WT][4];   // block b's in sums[b % 2]
         auto add_block = [&](int block, float (&sum)[MT][WT][4]) {
-            float act_factor[WT][2];   // tokens 2t and 2t+1 of each n-tile
+            float act_factor[WT][2];   // tokens 2t and 2t+1 of each n-tile (none for kTokenScaled)
 #pragma unroll
-            for (int nt = 0; nt < WT; ++nt) {
+            for (int nt = 0; nt < (kTokenScaled ? 0 : WT); ++nt) {
                 if constexpr (S::kActScalesBlockMajor) {
                     const float2 pair =
                         reinterpret_cast<const float2*>(a_scale_s)[S::act_scale_index(nt * 8 + 2 * t, block) / 2];
@@ -1590,8 +1627,10 @@ __device__ __forceinline__ bool gemm_mainloop(
                 for (int h = 0; h < 2; ++h) {
                     const uint32_t s4 = scales[mt][h][block / 4];
                     weight_byte[h] = (s4 >> (8 * (block % 4))) & 0xFFu;
-                    if (!kWide)   // 2^(s - 115): exponent field s + 12
-                        weight_factor[h] = bits_to_float(byte_perm(s4 + 0x0C0C0C0Cu, 0u, 0x4044u | (block % 4) << 8)
+                    // 2^(s - 115): exponent field s + 12 (kTokenScaled: 2^(s - 121), s + 6)
+                    constexpr uint32_t kFieldOffset = kTokenScaled ? 0x06060606u : 0x0C0C0C0Cu;
+                    if (!kWide)
+                        weight_factor[h] = bits_to_float(byte_perm(s4 + kFieldOffset, 0u, 0x4044u | (block % 4) << 8)
                                                          << 7);
                 }
 #pragma unroll
@@ -1599,7 +1638,9 @@ __device__ __forceinline__ bool gemm_mainloop(
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         pin_register(sum[mt][nt][i]);
-                        if (!kWide) {
+                        if (kTokenScaled) {
+                            acc[mt][nt][i] = fmaf(sum[mt][nt][i], weight_factor[i >> 1], acc[mt][nt][i]);
+                        } else if (!kWide) {
                             acc[mt][nt][i] = fmaf(sum[mt][nt][i] * weight_factor[i >> 1], act_factor[nt][i & 1],
                                                   acc[mt][nt][i]);
                         } else {
@@ -1714,6 +1755,8 @@ __device__ __forceinline__ bool gemm_mainloop(
         const uint8_t* a_s = stage_base(slot) + S::kActOffset;
         if constexpr (kPath == ScalePath::kFolded) {
             compute_blocks_folded(first_stage, w_s, a_s);
+        } else if constexpr (kPath == ScalePath::kTokenScaled) {
+            compute_blocks_fp8(std::false_type(), w_s, a_s, nullptr);
         } else if constexpr (S::kFp8) {
             const float* a_scale_s = reinterpret_cast<const float*>(stage_base(slot) + S::kActScaleOffset);
             if (wide)
@@ -1977,7 +2020,10 @@ __device__ __forceinline__ void quantize_hidden_columns(
 // the same bytes: 2^(b - 6), as that pass reads E2M1 codes as E4M3 bytes
 // of 2^-6 times their value. A token that does not fold (also: 2^(b - 6)
 // not a normal float) gets those codes instead, at folded_act_position,
-// with block scales 2^e.
+// with block scales 2^e. kPerBlockOrder (the 8-token e4m3 stage 1, whose
+// weights keep the per-block conversion): the same bytes at
+// fp8_act_position (folded_to_per_block_order).
+template <bool kPerBlockOrder>
 __device__ __forceinline__ void quantize_hidden_row_folded(
         const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad, uint8_t* __restrict__ act,
         float* __restrict__ token_scale, float* __restrict__ block_scale, float* __restrict__ accumulator,
@@ -2042,6 +2088,7 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
             bytes.y |= e2m1_to_e4m3_shifted(word >> (4 * i + 16) & 15u, d) << (8 * i);
         }
     }
+    if constexpr (kPerBlockOrder) bytes = folded_to_per_block_order(bytes);
     const uint32_t low = has_nan ? kE4m3Nan * 0x01010101u : bytes.x;
     const uint32_t high = has_nan ? kE4m3Nan * 0x01010101u : bytes.y;
     uint8_t* block = act + (size_t)token * d_hidden_pad + (k - quad * 8);
@@ -2059,8 +2106,9 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
 // little time. kFolded: Qa for the folded e4m3 stage 1s instead, a CTA per
 // token (quantize_hidden_row_folded; act_scale is then the tokens' scales;
 // block_scale, for the plain e4m3 stage 1's folded form, its block scales,
-// else null), and redo_tiles[0] (stage 1's redo tile count)
-// and redo_tiles[1] (stage 2's redo flag) start at zero.
+// else null; kFp8 with kFolded: the bytes in the per-block order, for the
+// 8-token e4m3 stage 1's token-scaled form), and redo_tiles[0] (stage 1's
+// redo tile count) and redo_tiles[1] (stage 2's redo flag) start at zero.
 constexpr int kPrepareThreads = 1024;
 constexpr int kPrepareColumns = kPrepareThreads * 8;
 template <bool kFp8, bool kFolded>
@@ -2084,8 +2132,8 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         return;
     }
     if constexpr (kFolded)
-        quantize_hidden_row_folded(hidden, d_hidden, d_hidden_pad, act, act_scale, block_scale, accumulator,
-                                   blockIdx.x - 1);
+        quantize_hidden_row_folded<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, block_scale, accumulator,
+                                         blockIdx.x - 1);
     else
         quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,
                                       blockIdx.y * kPrepareColumns + threadIdx.x * 8);
@@ -2263,7 +2311,10 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
 // finishes the columns (SwiGLU, Qa into inter); with several it stores its
 // fp32 (gate, up) pairs to partial[z][row][col] for swiglu_quantize_kernel.
 // kFolded (e4m3 configs): act holds quantize_hidden_row_folded's bytes, with
-// token_scale its tokens' scales and act_scale its block scales.
+// token_scale its tokens' scales and act_scale its block scales; from
+// kFoldedStage1MinTokens tokens the weights fold too (ScalePath::kFolded),
+// below only the activations (ScalePath::kTokenScaled, bytes in the
+// per-block order).
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, bool kFolded>
 __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
                                   GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage1MinBlocks) stage1_kernel(
@@ -2275,7 +2326,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs,
         const __grid_constant__ TensorMap weight_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
-    static_assert(!kFolded || S::kFoldedStage1, "a folded stage 1: e4m3 configs of kFoldedStage1MinTokens and up");
+    static_assert(!kFolded || S::kFp8, "a folded stage 1: e4m3 configs");
+    constexpr bool kFoldedWeights = kFolded && S::kFoldedStage1;
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
     let_next_kernel_launch();
@@ -2316,8 +2368,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // again (0.5-1.8% faster per call on the e4m3 shapes). bf16 keeps the
     // per-stage vote: the same change measured 2.3-2.6% slower at bs=512
     // E=33 (H200, 2026-12-01), with no instruction of it on that kernel's
-    // hot path. kFolded: K on folded bytes, and again per block (kWide)
-    // where a row left its window or Qa could not fold a token (NaN scale).
+    // hot path. kFolded: K on folded bytes (token-scaled: a weight scale
+    // byte above kTokenScaledNarrowScale), and again per block (kWide) where
+    // a row left its window or Qa could not fold a token (NaN scale).
     float acc[MT][WT][4];
     auto mainloop = [&](auto path) {
         // The TMA boxes (kStage1WeightBoxes): the gate rows of the CTA's
@@ -2325,12 +2378,13 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const WeightBoxes boxes = {&weight_map, (int)(tile.expert * expert_rows) + col0, d_expert_pad,
                                    first_block * 16};
         return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kStage1WeightBoxes,
-                             false, kFolded>(
+                             false, kFoldedWeights>(
             acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
             act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0,
             [](float (&)[MT][WT][4], int) {});
     };
-    constexpr ScalePath kFirstPass = kFolded ? ScalePath::kFolded
+    constexpr ScalePath kFirstPass = kFoldedWeights ? ScalePath::kFolded
+                                   : kFolded ? ScalePath::kTokenScaled
                                    : S::kFp8 ? ScalePath::kNarrowChecked : ScalePath::kVote;
     if (mainloop(std::integral_constant<ScalePath, kFirstPass>())
         || (kFolded && __syncthreads_or(tid < tile.rows && isnan(tile_token_scale[tid % S::kTokens])))) {
@@ -2382,7 +2436,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // Four blocks at a time where the registers allow: the unfolded e4m3
     // kernels of 24 and 32 tokens sit at their 128-register cap, and spilled
     // at two.
-    constexpr int kQaGroup = kFolded ? 4 : 1;
+    constexpr int kQaGroup = kFoldedWeights ? 4 : 1;
     if constexpr (FP8)
         quantize_h_rows_e4m3<kQaGroup, S::kWarps>(h, tile.rows, warp, lane, tile.row_start, col0, d_expert_pad,
                                                   inter, inter_scale);
@@ -2688,6 +2742,7 @@ MOE_FOLDED_STAGE1_CONFIGS(MOE_INSTANTIATE_FOLDED)
 MOE_INSTANTIATE_QA(false)
 MOE_INSTANTIATE_QA(true)
 MOE_INSTANTIATE_ROUTE(false, true)
+MOE_INSTANTIATE_ROUTE(true, true)
 #undef MOE_INSTANTIATE_QA
 #undef MOE_INSTANTIATE_ROUTE
 #undef MOE_INSTANTIATE_SWIGLU
@@ -3844,7 +3899,7 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     // With folded activations (c.act has token scales): the folded form.
     auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false>;
-    if constexpr (S::kFoldedStage1)
+    if constexpr (FP8)
         if (c.act.token_scale.defined()) stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true>;
     auto shared_bytes = [](int k_blocks) {
         return S::shared_bytes(k_blocks, S::kTokens * kStage1HStride * (int)sizeof(float), 1, S::kStages);
@@ -4074,13 +4129,14 @@ torch::Tensor moe_forward(
     int* bad_ids = sorted_tokens + 2 * num_pairs;
     int* redo_tiles = bad_ids + 1;   // the folded wide stage 1's fallback (launch_wide_stage1)
     int* stage2_redo = redo_tiles + 1;   // the folded wide stage 2's (launch_wide_stage2)
-    // Wide tiles, and the e4m3 configs' plain tiles of 16 tokens and up,
-    // take folded E4M3 activations (both stage 1s' folded forms) where one
-    // Qa CTA holds a token's whole row; stage 2 folds its own at 144 tokens
-    // only (the 64-token wide stage 2 runs in bf16, the plain ones on the
-    // codes and block scales stage 1 writes).
-    const bool folded = (wide_tile_tokens > 0 || (fp8 && tile_tokens >= kFoldedStage1MinTokens))
-                        && d_hidden_pad <= kPrepareColumns;
+    // Wide tiles and the e4m3 configs' plain tiles take folded E4M3
+    // activations (both stage 1s' folded forms; below kFoldedStage1MinTokens
+    // tokens in the per-block order) where one Qa CTA holds a token's whole
+    // row; stage 2 folds its own at 144 tokens only (the 64-token wide stage
+    // 2 runs in bf16, the plain ones on the codes and block scales stage 1
+    // writes).
+    const bool folded = (wide_tile_tokens > 0 || fp8) && d_hidden_pad <= kPrepareColumns;
+    const bool per_block_order = folded && fp8 && tile_tokens < kFoldedStage1MinTokens;
     const bool folded_stage2 = folded && wide_tile_tokens == 144;
     const Activations act(m, d_hidden_pad, fp8, folded, hidden_states.options());
     const Activations inter(num_pairs, d_expert_pad, fp8, false, hidden_states.options());
@@ -4096,9 +4152,10 @@ torch::Tensor moe_forward(
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
-    const auto route_and_quantize = folded ? route_and_quantize_kernel<false, true>
-                                  : fp8  ? route_and_quantize_kernel<true, false>
-                                         : route_and_quantize_kernel<false, false>;
+    const auto route_and_quantize = per_block_order ? route_and_quantize_kernel<true, true>
+                                  : folded ? route_and_quantize_kernel<false, true>
+                                  : fp8    ? route_and_quantize_kernel<true, false>
+                                           : route_and_quantize_kernel<false, false>;
     allow_shared_memory(route_and_quantize, 3 * kMaxExperts * (int)sizeof(int));
     route_and_quantize<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns), kPrepareThreads,
                          route_smem, stream>>>(

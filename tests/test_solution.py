@@ -197,16 +197,14 @@ def test_kernel_source_builds_for_sm90a_without_spills(kernel_build):
     print(report)
     assert returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-    # convert; route+quantise for both activation formats and the folded one; the folded path's fallback
+    # convert; route+quantise for both activation formats and the folded one in both orders; the folded path's fallback
     # kernel and stage 2's fold of the intermediate rows; SwiGLU+Qa of split stage 1 for both formats at 1, 2
     # and 4 rows per warp; the wide stage 2 of each wide tile width, and folded at 144; the wide stage 1 of
     # each width, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that
-    # differ in wide tiles only), and the e4m3 configs' stage 1 also folded from 16 tokens
+    # differ in wide tiles only), and the e4m3 configs' stage 1 also folded
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
-    assert len(kernels) == (1 + 3 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
-                            + 2 * len(kernel_sets)
-                            + sum(c.fp8 and c.tile_tokens >= solution.FOLDED_STAGE1_MIN_TOKENS
-                                  for c in kernel_sets)), kernels
+    assert len(kernels) == (1 + 4 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
+                            + 2 * len(kernel_sets) + sum(c.fp8 for c in kernel_sets)), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
@@ -497,9 +495,10 @@ def test_every_config_takes_the_wide_path_in_stage1(config):
 WIDE_144 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144)
 WIDE_64 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 64)
 # Every config whose stage 1 has a folded e4m3 form: the wide ones and the
-# plain e4m3 ones of 16 tokens and up.
-FOLDED_STAGE1 = [WIDE_64, WIDE_144, *(c for c in solution.GEMM_CONFIGS
-                                     if c.fp8 and c.tile_tokens >= solution.FOLDED_STAGE1_MIN_TOKENS)]
+# plain e4m3 ones (below FOLDED_STAGE1_MIN_TOKENS, token-scaled: the
+# activations fold, the weights do not).
+FOLDED_STAGE1 = [WIDE_64, WIDE_144, *(c for c in solution.GEMM_CONFIGS if c.fp8)]
+TOKEN_SCALED = next(c for c in solution.GEMM_CONFIGS if c.fp8 and c.tile_tokens < solution.FOLDED_STAGE1_MIN_TOKENS)
 
 
 def config_id(config):
@@ -546,6 +545,33 @@ def test_folded_stage1_in_and_past_its_window(shift, config):
     data = with_first_block_scales_moved(data, rows, shift)
     module = solution._backend(torch.device("cuda"))[1]
     run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
+
+
+@needs_cuda
+def test_token_scaled_stage1_takes_the_per_block_pass_above_its_limit():
+    """The 8-token e4m3 stage 1 adds each block's sum P times 2^(s - 121)
+    in its tokens' units, so a weight scale byte s above 224 must send the
+    CTA to its per-block pass. Here three gate rows of every expert hold
+    codes of 6 under scale bytes 240-242 and every hidden value is 6 *
+    2^-14 (one block exponent, so every folded byte is 384): P = 1152 per
+    block, 32 blocks, 2^15.2 * 2^(240 - 121) = 2^134 in the tokens' units,
+    which overflows, while the true gate value, 2^114 at 240, does not.
+    The up rows' scale bytes come down by 100, so that silu(gate) * up
+    stays near 2^3."""
+    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 56)
+    d_expert_pad = data[11]["d_expert_pad"]
+    gate_rows, up_rows = [3, 40, 77], [d_expert_pad + 3, d_expert_pad + 40, d_expert_pad + 77]
+    weights = data[1].view(torch.uint8).clone()
+    weights[:, gate_rows] = 0x77
+    scales = data[3].view(torch.uint8).clone()
+    per_expert = scales.view(data[1].shape[0], 2 * d_expert_pad, -1)
+    per_expert[:, gate_rows] = torch.tensor([240, 241, 242], dtype=torch.uint8, device=scales.device)[:, None]
+    per_expert[:, up_rows] = (per_expert[:, up_rows].to(torch.int32) - 100).clamp(min=0).to(torch.uint8)
+    data = with_replaced(with_replaced(data, 1, weights.view(data[1].dtype)), 3, scales.view(data[3].dtype))
+    data = with_replaced(data, 0, torch.full_like(data[0], 6 * 2.0 ** -14))
+    module = solution._backend(torch.device("cuda"))[1]
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, TOKEN_SCALED))
+    assert torch.isfinite(out).all()
 
 
 @needs_cuda
@@ -1058,6 +1084,11 @@ int main() {
         else if (!strcmp(kind, "qa")) out = moe::float_to_bits(moe::exact_pow2(moe::qa_exponent(f)));
         else if (!strcmp(kind, "shifted")) out = moe::e2m1_to_e4m3_shifted(x & 15u, (int)(x >> 4) - 8);
         else if (!strcmp(kind, "foldposition")) out = moe::folded_act_position((int)x);
+        else if (!strcmp(kind, "perblockeven") || !strcmp(kind, "perblockodd")) {
+            const uint2 bytes = moe::folded_to_per_block_order(
+                moe::fp4_word_to_folded_e4m3(x, moe::kE4m3CodesLo, moe::kE4m3CodesHi));
+            out = kind[8] == 'e' ? bytes.x : bytes.y;
+        }
         else if (!strcmp(kind, "slice"))   // z, slices, stage blocks, K blocks: a byte each
             out = moe::halving_slice_first_block(x >> 24, (x >> 16) & 255, x & 255, (x >> 8) & 255);
         else if (!strcmp(kind, "maxslices")) out = moe::max_halving_slices(x & 255, (x >> 8) & 255);
@@ -1369,6 +1400,17 @@ def test_fp8_weight_bytes_and_activation_layout_agree(helpers):
             for j in range(4):
                 mma += even[j] * 2.0 ** 6 * stored[4 * t + j] + odd[j] * 2.0 ** 6 * stored[16 + 4 * t + j]
         assert mma == expected
+
+
+def test_per_block_order_pairs_with_the_per_block_weight_conversion(helpers):
+    """The token-scaled stage 1's activations are Qa's folded bytes put in
+    the per-block order (folded_to_per_block_order) and its weights go
+    through fp4_even_to_e4m3 / fp4_odd_to_e4m3: a word's eight values must
+    land in the same bytes both ways (here through the code table, the
+    folded bytes of shift -6, so that the bytes themselves agree too)."""
+    words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98] + random.Random(10).choices(range(1 << 32), k=300)
+    assert helpers("perblockeven", words) == helpers("even", words)
+    assert helpers("perblockodd", words) == helpers("odd", words)
 
 
 def test_scales_above_the_fp8_narrow_limit_are_detected(helpers):
