@@ -8,8 +8,8 @@ fp32 summation order.
 On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs four
 kernels (five when stage 1's K is split; the folded wide path below adds
 four: the fold of the intermediate rows, and three that leave at once unless
-its fallback is needed), built on first use with torch's load_inline and
-cached:
+its fallback is needed; the e4m3 configs' stage 2 on folded rows adds their
+fold), built on first use with torch's load_inline and cached:
 
   route and    one kernel: its first CTA makes the per-expert token counts,
   quantise     offsets, the pairs sorted by expert (token and routing weight)
@@ -53,7 +53,10 @@ rows fold is known before it starts (its adds are final), and if not the bf16
 kernel does all of stage 2. The plain e4m3 tiles' stage 1 reads the same
 folded activations: from 16 tokens on folded weights too, at 8 tokens with
 each block's sum scaled by its weight scale alone; a CTA whose rows or
-tokens do not fit runs its K again per block. Only the e4m3 tensor cores' accumulation keeps
+tokens do not fit runs its K again per block. With d_expert up to 256 their
+stage 2 at 16 and 24 tokens folds too: a pass rewrites the intermediate
+rows, and each stage chooses the folded or the per-block form before it
+runs. Only the e4m3 tensor cores' accumulation keeps
 fewer bits than fp32 (about 1e-6 relative, tools/fp8_accumulation.py).
 
 On ROCm with AITER importable, AITER's fused_moe runs (as the official
@@ -339,6 +342,23 @@ MOE_HD uint2 fp4_word_to_folded_e4m3(uint32_t word, uint32_t lo, uint32_t hi) {
 // so that its weights keep the per-block pass's cheaper conversion.
 MOE_HD uint2 folded_to_per_block_order(uint2 bytes) {
     return make_uint2(byte_perm(bytes.x, bytes.y, 0x6420u), byte_perm(bytes.x, bytes.y, 0x7531u));
+}
+// Four E4M3 bytes of E2M1 codes (e2m1_to_e4m3: each value times 2^-6, no
+// NaN byte) as the E4M3 bytes of the same values times 2^d, kFoldMinShift
+// <= d <= kFoldMaxShift (fold_inter_codes_kernel): the magnitude codes
+// (bits 2-4 of each byte) as a selector into folded_e4m3_table's table
+// where d is in its range, byte by byte below it (subnormal bytes).
+MOE_HD uint32_t e4m3_codes_shifted(uint32_t word, int d) {
+    const uint32_t signs = word & 0x80808080u, codes = word >> 2 & 0x07070707u;
+    if (d >= kFoldTableMinShift) {
+        uint32_t lo, hi;
+        folded_e4m3_table(d, lo, hi);
+        // Byte 0 of codes | codes >> 4 holds codes 0 and 1 as nibbles, byte 2 codes 2 and 3.
+        return byte_perm(lo, hi, byte_perm(codes | codes >> 4, 0u, 0x4420u)) | signs;
+    }
+    uint32_t out = signs;
+    for (int i = 0; i < 4; ++i) out |= e2m1_to_e4m3_shifted(codes >> (8 * i) & 7u, d) << (8 * i);
+    return out;
 }
 // The largest weight scale byte the token-scaled pass takes: each block's
 // sum P (of weight codes times 2^-6 and folded activation bytes, |P| <=
@@ -674,6 +694,12 @@ GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8,
 # 4-5% slower (H200, 2026-12-02), so there each block's sum is scaled by its
 # weight factor alone (ScalePath::kTokenScaled).
 FOLDED_STAGE1_MIN_TOKENS = 16
+# The e4m3 configs whose stage 2 takes folded intermediate rows (a pass after
+# stage 1 folds them: fold_inter_codes_kernel) where a row tile is one stage
+# (d_expert up to 256): 16 and 24 tokens. Its bound at 8 tokens, 1.6-2.2 us
+# of stage 2 (H200, 2026-12-03), is less than the pass costs the chain; at 32
+# the kernel spilled (at its 128-register cap).
+FOLDED_STAGE2_TOKENS = (16, 24)
 
 
 def _config_macro(name: str, configs) -> str:
@@ -685,7 +711,11 @@ def _config_macro(name: str, configs) -> str:
 
 GEMM_CONFIG_SOURCE = (_config_macro("MOE_GEMM_CONFIGS", GEMM_CONFIGS)
                       + _config_macro("MOE_FOLDED_STAGE1_CONFIGS", [c for c in GEMM_CONFIGS if c.fp8])
-                      + f"constexpr int kFoldedStage1MinTokens = {FOLDED_STAGE1_MIN_TOKENS};\n")
+                      + _config_macro("MOE_FOLDED_STAGE2_CONFIGS", [c for c in GEMM_CONFIGS if c.fp8
+                                                                    and c.tile_tokens in FOLDED_STAGE2_TOKENS])
+                      + f"constexpr int kFoldedStage1MinTokens = {FOLDED_STAGE1_MIN_TOKENS};\n"
+                      + "constexpr bool folded_stage2_tokens(int tokens) { return "
+                      + " || ".join(f"tokens == {n}" for n in FOLDED_STAGE2_TOKENS) + "; }\n")
 
 
 def _wgmma_source(n: int, kind: str = "bf16") -> str:
@@ -1231,6 +1261,13 @@ struct GemmShape {
 // fold window (the accumulators are then wrong, and K must run again with
 // kWide), else false. kNarrowChecked, kTokenScaled, kFolded and kWide: one
 // row tile (row_tiles 1).
+// kVoteTokenScaled (stage 2 of the e4m3 configs over fold_inter_codes_kernel's
+// rows; one stage per row tile): token_factor holds the tile's rows' 2^base
+// (NaN for a row that did not fold). A stage whose weight scales are all at
+// most kTokenScaledNarrowScale and whose rows all folded takes the
+// token-scaled pass, and then multiplies its sums by the rows' 2^base (the
+// row tile's only stage: its accumulators were zero); any other takes kWide
+// on the rows' block scales (2^(base - 6) for a folded row).
 // kFoldedBytes (e4m3 stage 1 on quantize_hidden_row_folded's bytes): the
 // activations are in folded_act_position's order, so kWide converts the
 // weights to that order too.
@@ -1240,6 +1277,7 @@ enum class ScalePath {
     kWide,            // every stage wide
     kFolded,          // e4m3 on folded bytes: each block's MMA adds into acc, no per-block rescale
     kTokenScaled,     // e4m3, activations folded per token: each block's sum times its weight factor alone
+    kVoteTokenScaled, // e4m3 stage 2 on folded rows: every stage votes between kTokenScaled and kWide
 };
 // A thread's two rows' fold (rows g and g + 8 of an m-tile of its warp;
 // gemm_mainloop's kFolded, the wide kernels' folded forms): base, their
@@ -1300,14 +1338,15 @@ __device__ __forceinline__ bool gemm_mainloop(
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale, ActRowOf act_row_of,
         WeightBoxes weights, const TensorMap* act_map, int k_padded, int k_blocks,
-        int row_tiles, int row_tile_step, TileDone tile_done) {
+        int row_tiles, int row_tile_step, const float* token_factor, TileDone tile_done) {
     constexpr int MT = S::kMTiles, WT = S::kWarpTiles, SB = S::kStageBlocks;
     constexpr int kScaleCopy = SB < 8 ? SB : 8;   // scale rows are only 8-byte aligned
     constexpr uint32_t kNarrowLimit = S::kFp8 ? kFp8NarrowScale : 128u;   // scale bytes above it take kWide
     static_assert(!(kFoldedBytes || kPath == ScalePath::kFolded) || (S::kFp8 && kFoldedBytes),
                   "folded passes: e4m3 configs on folded bytes");
-    static_assert(kPath != ScalePath::kTokenScaled || (S::kFp8 && !kFoldedBytes),
-                  "the token-scaled pass: e4m3 configs on bytes in the per-block order");
+    static_assert((kPath != ScalePath::kTokenScaled && kPath != ScalePath::kVoteTokenScaled)
+                  || (S::kFp8 && !kFoldedBytes), "the token-scaled pass: e4m3 configs on bytes in the per-block order");
+    constexpr bool kVoting = kPath == ScalePath::kVote || kPath == ScalePath::kVoteTokenScaled;
     // The passes that read the activations' block scales (the folded ones
     // apply the tokens' scales after K, in stage1_kernel).
     constexpr bool kActScales = kPath != ScalePath::kFolded && kPath != ScalePath::kTokenScaled;
@@ -1593,14 +1632,14 @@ __device__ __forceinline__ bool gemm_mainloop(
     // kWide: the exponent sum c, split into two factors that cannot
     // overflow, the first applied exactly; scale byte 255 is NaN. (Generic
     // in wide, a std::bool_constant, so that only FP8 configs compile it.)
-    // kTokenScaled (narrow only): the activations are folded bytes, each
+    // kTokenScaled (and kVoteTokenScaled's narrow stages): the activations are folded bytes, each
     // token's blocks against its own base (quantize_hidden_row_folded in
     // the per-block order), so P * 2^(s - 121) alone, one fma with no
     // activation factor: the tokens' 2^base multiply the sums after K.
     auto compute_blocks_fp8 = [&](auto wide, const uint8_t* w_s, const uint8_t* a_s, const float* a_scale_s) {
         constexpr bool kWide = decltype(wide)::value;
-        constexpr bool kTokenScaled = kPath == ScalePath::kTokenScaled;
-        static_assert(!(kWide && kTokenScaled), "the token-scaled pass has no wide stages");
+        constexpr bool kTokenScaled = !kWide && (kPath == ScalePath::kTokenScaled
+                                                 || kPath == ScalePath::kVoteTokenScaled);
         const int t = lane & 3;
         const uint32_t act_descriptor = wgmma_descriptor_low(a_s);
         float sums[2][MT][WT][4];   // block b's in sums[b % 2]
@@ -1757,6 +1796,21 @@ __device__ __forceinline__ bool gemm_mainloop(
             compute_blocks_folded(first_stage, w_s, a_s);
         } else if constexpr (kPath == ScalePath::kTokenScaled) {
             compute_blocks_fp8(std::false_type(), w_s, a_s, nullptr);
+        } else if constexpr (kPath == ScalePath::kVoteTokenScaled) {
+            const float* a_scale_s = reinterpret_cast<const float*>(stage_base(slot) + S::kActScaleOffset);
+            if (wide) {
+                compute_blocks_fp8(std::true_type(), w_s, a_s, a_scale_s);
+            } else {
+                compute_blocks_fp8(std::false_type(), w_s, a_s, a_scale_s);
+                // The row tile's only stage: its sums into true units.
+                const float* factor = token_factor + S::first_token(warp) + 2 * (lane & 3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < WT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) acc[mt][nt][i] *= factor[nt * 8 + (i & 1)];
+            }
         } else if constexpr (S::kFp8) {
             const float* a_scale_s = reinterpret_cast<const float*>(stage_base(slot) + S::kActScaleOffset);
             if (wide)
@@ -1831,18 +1885,24 @@ __device__ __forceinline__ bool gemm_mainloop(
         // path (a warpgroup's MMAs must be the same instructions in all of its
         // warps): thread r < kRows copied row r's scales, so it may read them
         // before the barrier, which ORs the answers.
-        static_assert(kPath != ScalePath::kVote || !kMbarriers, "the vote ORs over a CTA barrier");
+        static_assert(!kVoting || !kMbarriers, "the vote ORs over a CTA barrier");
         bool wide = kPath == ScalePath::kWide;
-        if constexpr (kPath != ScalePath::kVote) {
+        if constexpr (!kVoting) {
             if constexpr (!kMbarriers) __syncthreads();
         } else {
+            constexpr uint32_t kLimit = kPath == ScalePath::kVoteTokenScaled ? kTokenScaledNarrowScale : kNarrowLimit;
             if (tid < kRows)
 #pragma unroll
                 for (int i = 0; i < SB / 4; ++i) {
                     const uint32_t four_scales = *reinterpret_cast<const uint32_t*>(
                         stage_base(s % kRing) + S::kScaleOffset + tid * SB + 4 * i);
-                    wide |= any_scale_above(four_scales, kNarrowLimit);
+                    wide |= any_scale_above(four_scales, kLimit);
                 }
+            // kVoteTokenScaled: a row that did not fold (its factor came
+            // with the first stage's copies), or a row tile of several
+            // stages (its sums would need the factor per stage).
+            if constexpr (kPath == ScalePath::kVoteTokenScaled)
+                wide |= tile_stages > 1 || (tid < S::kTokens && act_row_of(tid) >= 0 && isnan(token_factor[tid]));
             // __any_sync of the CTA-wide answer: ptxas then knows the
             // branch on it is warp-uniform. Otherwise, with two m64 tiles
             // per warpgroup, it serialises every wgmma of the kernel
@@ -2380,7 +2440,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kStage1WeightBoxes,
                              false, kFoldedWeights>(
             acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
-            act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0,
+            act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0, nullptr,
             [](float (&)[MT][WT][4], int) {});
     };
     constexpr ScalePath kFirstPass = kFoldedWeights ? ScalePath::kFolded
@@ -2512,6 +2572,82 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
 STAGE2_SOURCE = r"""
 namespace moe {
 
+// Stage 2's folded rows for the e4m3 configs (stage2_kernel's kFoldedRows),
+// in place, a warp per row of inter (E4M3 codes and fp32 block scales 2^e,
+// as stage 1's Qa wrote them) over its first `blocks` blocks, lane l taking
+// bytes 8l..8l+7 of each 256-byte pass. The row's largest exponent x over
+// its nonzero blocks gives base b = x - kFoldMaxShift. Where every nonzero
+// block lies at most -kFoldMinShift binades below b, none holds a NaN byte
+// and 2^(b - 6) is a normal float, each value becomes the E4M3 byte of
+// itself times 2^(e - b) (e4m3_codes_shifted), each block scale 2^(b - 6)
+// (so that the per-block pass reads the same values: its bytes carry 2^-6)
+// and inter_factor[row] = 2^b; otherwise the row stays as it was and its
+// factor is NaN. Rows past the routed pairs' were never written: skipped.
+constexpr int kFoldCodesThreads = 256;
+__global__ void __launch_bounds__(kFoldCodesThreads) fold_inter_codes_kernel(
+        uint8_t* __restrict__ inter, float* __restrict__ inter_scale, const int* __restrict__ expert_offsets,
+        int n_experts, int d_expert_pad, int blocks, float* __restrict__ inter_factor) {
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
+    const int lane = threadIdx.x & 31, rows = expert_offsets[n_experts];
+    const int warps = gridDim.x * (kFoldCodesThreads / 32), scale_len = d_expert_pad / kScaleBlock;
+    const int passes = (blocks * kScaleBlock + 255) / 256;
+    // Block exponent e of a scale 2^e, e in [-127, 127] (2^-127 is subnormal).
+    auto exponent_of = [](float scale) {
+        const uint32_t bits = float_to_bits(scale);
+        return bits >= 0x00800000u ? (int)(bits >> 23) - 127 : -127;
+    };
+    for (int row = blockIdx.x * (kFoldCodesThreads / 32) + (int)(threadIdx.x / 32); row < rows; row += warps) {
+        uint8_t* values = inter + (size_t)row * d_expert_pad;
+        float* scales = inter_scale + (size_t)row * scale_len;
+        int largest = -128, smallest = 128;
+        bool has_nan = false;
+        for (int pass = 0; pass < passes; ++pass) {
+            const int block = pass * 8 + lane / 4;
+            const uint2 bytes = block < blocks ? *reinterpret_cast<const uint2*>(values + pass * 256 + 8 * lane)
+                                               : make_uint2(0u, 0u);
+            // A byte of magnitude 0x7F is E4M3's NaN (plus one carries into
+            // its bit 7, no code byte's does); a block is nonzero if any of its quad's bytes is.
+            has_nan |= (((bytes.x & 0x7F7F7F7Fu) + 0x01010101u) | ((bytes.y & 0x7F7F7F7Fu) + 0x01010101u))
+                       & 0x80808080u;
+            const uint32_t magnitudes = (bytes.x | bytes.y) & 0x7F7F7F7Fu;
+            bool nonzero = magnitudes != 0u;
+            nonzero |= __shfl_xor_sync(0xFFFFFFFFu, (int)nonzero, 1) != 0;
+            nonzero |= __shfl_xor_sync(0xFFFFFFFFu, (int)nonzero, 2) != 0;
+            if (nonzero && block < blocks) {
+                const int e = exponent_of(scales[block]);
+                largest = max(largest, e);
+                smallest = min(smallest, e);
+            }
+        }
+#pragma unroll
+        for (int offset = 4; offset < 32; offset <<= 1) {   // a quad already agrees
+            largest = max(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
+            smallest = min(smallest, __shfl_xor_sync(0xFFFFFFFFu, smallest, offset));
+        }
+        has_nan = __any_sync(0xFFFFFFFFu, has_nan);
+        const int base = largest == -128 ? 0 : largest - kFoldMaxShift;   // an all-zero row folds at any base
+        const bool folds = !has_nan && (largest == -128 || smallest - base >= kFoldMinShift) && base - 6 >= -126;
+        if (lane == 0) inter_factor[row] = folds ? exact_pow2(base) : __int_as_float(0x7FC00000);
+        if (!folds) continue;   // warp-uniform
+        for (int pass = 0; pass < passes; ++pass) {
+            const int block = pass * 8 + lane / 4;
+            if (block >= blocks) break;
+            uint2* word = reinterpret_cast<uint2*>(values + pass * 256 + 8 * lane);
+            uint2 bytes = *word;
+            const int d = exponent_of(scales[block]) - base;
+            __syncwarp();   // every lane's scale read before lane 4j rewrites block j's
+            // A zero word stays (its block may be zero, with any exponent).
+            if (((bytes.x | bytes.y) & 0x7F7F7F7Fu) != 0u) {
+                bytes.x = e4m3_codes_shifted(bytes.x, d);
+                bytes.y = e4m3_codes_shifted(bytes.y, d);
+                *word = bytes;
+            }
+            if ((lane & 3) == 0) scales[block] = exact_pow2(base - 6);
+        }
+    }
+}
+
 constexpr int kStage2YStride = kRows + 4;
 template <typename S>
 constexpr int kStage2EpilogueBytes = S::kTokens * kStage2YStride * (int)sizeof(float);
@@ -2620,7 +2756,11 @@ __device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& ti
 // each row's routing weight and added into the fp32 accumulator. Rows are
 // transposed through shared memory so that each add covers four consecutive
 // columns of one token.
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
+// kFoldedRows (e4m3 configs, one stage per row tile): inter holds
+// fold_inter_codes_kernel's rows and inter_factor their 2^base (NaN where a
+// row did not fold), and each stage votes between the token-scaled pass and
+// the per-block one (ScalePath::kVoteTokenScaled).
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, bool kFoldedRows>
 __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
                                   GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage2MinBlocks) stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
@@ -2628,8 +2768,10 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         const int* __restrict__ sorted_tokens, const float* __restrict__ sorted_weights,
         const int* __restrict__ expert_offsets, const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
+        const float* __restrict__ inter_factor,
         const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
+    static_assert(!kFoldedRows || FP8, "folded intermediate rows: e4m3 configs");
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
     let_next_kernel_launch();
@@ -2672,11 +2814,20 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                                   warp, kWarps, lane);
     };
 
+    // kFoldedRows: the tile's rows' factors, copied ahead of the first
+    // stage's copies (in its cp.async group), which the first vote waits for.
+    __shared__ float tile_factor[kFoldedRows ? S::kTokens : 1];
+    if constexpr (kFoldedRows)
+        if (tid < S::kTokens) {
+            const int row = row_of(tid);
+            cp_async_small<4>(&tile_factor[tid], row >= 0 ? inter_factor + row : inter_factor, row >= 0 ? 4 : 0);
+        }
     float acc[MT][WT][4];
     const WeightBoxes boxes = {&weight_map, tile.expert * d_hidden_pad + row0, 0, 0};
-    gemm_mainloop<S, kStage2Ring<S>, false, ScalePath::kVote, S::kStage2WeightBoxes, S::kStage2ActTma, false>(
+    constexpr ScalePath kPath = kFoldedRows ? ScalePath::kVoteTokenScaled : ScalePath::kVote;
+    gemm_mainloop<S, kStage2Ring<S>, false, kPath, S::kStage2WeightBoxes, S::kStage2ActTma, false>(
         acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, boxes, &inter_map, d_expert_pad,
-        k_blocks, cta_tiles, kRows, add_tile);
+        k_blocks, cta_tiles, kRows, tile_factor, add_tile);
     add_tile(acc, cta_tiles - 1);
 }
 
@@ -2717,16 +2868,24 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
         const int*, int, int, int, int, int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE_FOLDED(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, true)
+#define MOE_INSTANTIATE_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, FOLDED)                                     \
+    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, FOLDED>(const uint8_t*,        \
+        const uint8_t*, const uint8_t*, const float*, const int*, const float*, const int*, const int2*,   \
+        const int*, int, int, int, int, int, float*, const float*, const __grid_constant__ TensorMap,      \
+        const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
     MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, false)                                         \
-    template __global__ void stage2_kernel<NT, MT2, WT, SB, STAGES, WG, FP8>(const uint8_t*, const uint8_t*, \
-        const uint8_t*, const float*, const int*, const float*, const int*, const int2*, const int*, \
-        int, int, int, int, int, float*, const __grid_constant__ TensorMap, const __grid_constant__ TensorMap);
+    MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, false)
+#define MOE_INSTANTIATE_FOLDED_ROWS(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
+    MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, true)
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 MOE_FOLDED_STAGE1_CONFIGS(MOE_INSTANTIATE_FOLDED)
+MOE_FOLDED_STAGE2_CONFIGS(MOE_INSTANTIATE_FOLDED_ROWS)
 #undef MOE_INSTANTIATE
 #undef MOE_INSTANTIATE_FOLDED
+#undef MOE_INSTANTIATE_FOLDED_ROWS
 #undef MOE_INSTANTIATE_STAGE1
+#undef MOE_INSTANTIATE_STAGE2
 #define MOE_INSTANTIATE_ROUTE(FP8, FOLDED)                                                                 \
     template __global__ void route_and_quantize_kernel<FP8, FOLDED>(const int*, const float*, int, int, int, \
         int, int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int,        \
@@ -3815,6 +3974,8 @@ struct MoeCall {
     int* stage2_redo;
     uint8_t* inter_folded;
     float* folded_weights;
+    // The e4m3 stage 2's folded rows' factors (fold_inter_codes_kernel; null when its rows stay per block).
+    float* inter_factor;
     int k_blocks1() const { return (d_hidden + kScaleBlock - 1) / kScaleBlock; }
     int k_blocks2() const { return (d_expert + kScaleBlock - 1) / kScaleBlock; }
     int columns1() const { return (d_expert + kStage1Columns - 1) / kStage1Columns; }
@@ -3926,7 +4087,16 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 void launch_stage2(const MoeCall& c, const TileTable& t) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
-    const auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8>;
+    // With folded rows (c.inter_factor): the pass that folds them, then the kernel that votes for them.
+    auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false>;
+    if constexpr (FP8 && folded_stage2_tokens(S::kTokens))
+        if (c.inter_factor != nullptr) {
+            stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true>;
+            launch_after_previous(fold_inter_codes_kernel,
+                dim3(std::min((c.num_pairs + kFoldCodesThreads / 32 - 1) / (kFoldCodesThreads / 32), 8 * sm_count())),
+                kFoldCodesThreads, 0, c.stream, c.inter.bytes(), c.inter.scales(), c.expert_offsets, c.n_experts,
+                c.d_expert_pad, c.k_blocks2(), c.inter_factor);
+        }
     auto shared_bytes = [](int k_blocks, int row_tiles) {
         return S::shared_bytes(k_blocks, kStage2EpilogueBytes<S>, row_tiles, kStage2Ring<S>);
     };
@@ -3939,7 +4109,7 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
         shared_bytes(k_blocks, row_tiles), c.stream,
         c.down_weight.data_ptr<uint8_t>(), c.down_scale.data_ptr<uint8_t>(), c.inter.bytes(), c.inter.scales(),
         c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
-        c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(),
+        c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(), c.inter_factor,
         S::kStage2WeightBoxes > 0 ? down_map(c, SB) : TensorMap{},
         S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
 }
@@ -4143,6 +4313,10 @@ torch::Tensor moe_forward(
     const auto inter_folded = folded_stage2 ? torch::empty({num_pairs, d_expert_pad}, int_opts.dtype(torch::kUInt8))
                                      : torch::Tensor();
     const auto folded_weights = folded_stage2 ? torch::empty({num_pairs}, float_opts) : torch::Tensor();
+    // The e4m3 configs' stage 2 on folded rows where a row tile is one stage (their stages are 8 blocks).
+    const bool folded_rows = fp8 && wide_tile_tokens == 0 && folded_stage2_tokens((int)tile_tokens)
+                             && (d_expert + kScaleBlock - 1) / kScaleBlock <= 8;
+    const auto inter_factor = folded_rows ? torch::empty({num_pairs}, float_opts) : torch::Tensor();
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
     // What the host expects of the routing, to size grids and K slices.
@@ -4172,7 +4346,8 @@ torch::Tensor moe_forward(
                        down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator,
                        bf16_ptr(hidden_states), m, folded_stage2 ? stage2_redo : nullptr,
                        folded_stage2 ? inter_folded.data_ptr<uint8_t>() : nullptr,
-                       folded_stage2 ? folded_weights.data_ptr<float>() : nullptr};
+                       folded_stage2 ? folded_weights.data_ptr<float>() : nullptr,
+                       folded_rows ? inter_factor.data_ptr<float>() : nullptr};
     const TileTable narrow{tiles, num_tiles, max_tiles, tiles_estimate};
     const TileTable wide = wide_table ? TileTable{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate}
                                           : TileTable{tiles, num_tiles, max_tiles, wide_tiles_estimate};

@@ -198,13 +198,15 @@ def test_kernel_source_builds_for_sm90a_without_spills(kernel_build):
     assert returncode == 0, report
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     # convert; route+quantise for both activation formats and the folded one in both orders; the folded path's fallback
-    # kernel and stage 2's fold of the intermediate rows; SwiGLU+Qa of split stage 1 for both formats at 1, 2
+    # kernel and stage 2's two folds of the intermediate rows (bf16 for the wide kernel, E4M3 codes for the
+    # e4m3 configs' stage 2 on folded rows); SwiGLU+Qa of split stage 1 for both formats at 1, 2
     # and 4 rows per warp; the wide stage 2 of each wide tile width, and folded at 144; the wide stage 1 of
     # each width, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that
-    # differ in wide tiles only), and the e4m3 configs' stage 1 also folded
+    # differ in wide tiles only), and the e4m3 configs' stage 1 also folded, and of some their stage 2 on folded rows
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
-    assert len(kernels) == (1 + 4 + 2 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
-                            + 2 * len(kernel_sets) + sum(c.fp8 for c in kernel_sets)), kernels
+    assert len(kernels) == (1 + 4 + 3 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
+                            + 2 * len(kernel_sets) + sum(c.fp8 for c in kernel_sets)
+                            + sum(c.fp8 and c.tile_tokens in solution.FOLDED_STAGE2_TOKENS for c in kernel_sets)), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
@@ -628,6 +630,51 @@ def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift):
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
     assert out.float().abs().max() > 0
+
+
+FOLDED_ROWS = [c for c in solution.GEMM_CONFIGS if c.fp8 and c.tile_tokens in solution.FOLDED_STAGE2_TOKENS]
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", FOLDED_ROWS, ids=config_id)
+@pytest.mark.parametrize("shift", [10, 13, 16, 20])
+def test_folded_rows_stage2_at_and_past_the_edge_of_e4m3(shift, config):
+    """The e4m3 configs' stage 2 on folded rows (d_expert 256: a row tile is
+    one stage): intermediate rows whose first block is 2^shift times the
+    rest (the up rows of columns 0-31 scaled up), so that the rest lies
+    shift binades below the row's largest: at 10 folded through the table,
+    at 13 into E4M3's subnormals (byte by byte), at 16 and 20 beyond them
+    (the row's factor is NaN and its CTAs take the per-block pass on its
+    codes). The down weights of those 32 columns are zero, so the whole
+    output comes from the small values, which wrong bytes would change."""
+    data = reference.generate_input(1024, 256, 16, 4, 1, 64, 57)
+    d_expert_pad = data[11]["d_expert_pad"]
+    scales = data[3].view(torch.uint8).cpu().clone()
+    rows = scales.reshape(-1, 2 * d_expert_pad, scales.shape[-1])
+    rows[:, d_expert_pad:d_expert_pad + 32] = (rows[:, d_expert_pad:d_expert_pad + 32].to(torch.int32)
+                                               + shift).clamp(max=254).to(torch.uint8)
+    data = with_replaced(data, 3, scales.to(data[3].device).view(data[3].dtype))
+    down = data[2].view(torch.uint8).clone()
+    down[..., :16] = 0   # K columns 0-31: two fp4 codes per byte
+    data = with_replaced(data, 2, down.view(data[2].dtype))
+    module = solution._backend(torch.device("cuda"))[1]
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
+    assert out.float().abs().max() > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", FOLDED_ROWS, ids=config_id)
+def test_folded_rows_stage2_takes_the_per_block_pass_above_its_limit(config):
+    """Down-weight scale bytes of 225-242 in a fifth of the rows: a stage
+    that meets one takes the per-block pass, on the folded rows' bytes
+    with the block scales the fold wrote (2^(base - 6)), not the
+    token-scaled one, whose sums in the rows' units could overflow
+    there."""
+    data = reference.generate_input(1024, 256, 16, 4, 1, 64, 58)
+    data = with_row_scales(data, 4, 225, 243, 0.2, torch.Generator(device="cpu").manual_seed(59))
+    module = solution._backend(torch.device("cuda"))[1]
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
+    assert torch.isfinite(out).all()
 
 
 @needs_cuda
@@ -1084,6 +1131,7 @@ int main() {
         else if (!strcmp(kind, "qa")) out = moe::float_to_bits(moe::exact_pow2(moe::qa_exponent(f)));
         else if (!strcmp(kind, "shifted")) out = moe::e2m1_to_e4m3_shifted(x & 15u, (int)(x >> 4) - 8);
         else if (!strcmp(kind, "foldposition")) out = moe::folded_act_position((int)x);
+        else if (!strncmp(kind, "codesshift", 10)) out = moe::e4m3_codes_shifted(x, atoi(kind + 10));
         else if (!strcmp(kind, "perblockeven") || !strcmp(kind, "perblockodd")) {
             const uint2 bytes = moe::folded_to_per_block_order(
                 moe::fp4_word_to_folded_e4m3(x, moe::kE4m3CodesLo, moe::kE4m3CodesHi));
@@ -1411,6 +1459,24 @@ def test_per_block_order_pairs_with_the_per_block_weight_conversion(helpers):
     words = [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98] + random.Random(10).choices(range(1 << 32), k=300)
     assert helpers("perblockeven", words) == helpers("even", words)
     assert helpers("perblockodd", words) == helpers("odd", words)
+
+
+def test_e4m3_codes_shifted_are_the_exact_folded_values(helpers):
+    """fold_inter_codes_kernel rewrites E4M3 bytes of E2M1 codes (values times
+    2^-6, as Qa writes them) as the bytes of the same values times 2^d, for
+    every d of the fold's window: through the table from -5 up, byte by
+    byte (subnormal results) below. Signs, -0 among them, are kept."""
+    rng = random.Random(11)
+    words = [0, 0x80808080, 0x1C1C1C1C, 0x9C9C9C9C, 0x1C181410, 0x0C080400]
+    words += [int.from_bytes(bytes(rng.choice([0, 0x80]) | rng.randrange(8) << 2 for _ in range(4)), "little")
+              for _ in range(300)]
+    for d in range(-8, 7):
+        got = helpers(f"codesshift{d}", words)
+        for word, out in zip(words, got):
+            values = [e4m3_values(word)[i] * 2.0 ** (6 + d) for i in range(4)]
+            assert e4m3_values(out) == values, (hex(word), d)
+            assert [math.copysign(1.0, v) for v in e4m3_values(out)] == \
+                   [math.copysign(1.0, v) for v in e4m3_values(word)], (hex(word), d)
 
 
 def test_scales_above_the_fp8_narrow_limit_are_detected(helpers):
