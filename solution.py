@@ -2574,77 +2574,58 @@ namespace moe {
 
 // Stage 2's folded rows for the e4m3 configs (stage2_kernel's kFoldedRows),
 // in place, a warp per row of inter (E4M3 codes and fp32 block scales 2^e,
-// as stage 1's Qa wrote them) over its first `blocks` blocks, lane l taking
-// bytes 8l..8l+7 of each 256-byte pass. The row's largest exponent x over
-// its nonzero blocks gives base b = x - kFoldMaxShift. Where every nonzero
-// block lies at most -kFoldMinShift binades below b, none holds a NaN byte
-// and 2^(b - 6) is a normal float, each value becomes the E4M3 byte of
-// itself times 2^(e - b) (e4m3_codes_shifted), each block scale 2^(b - 6)
-// (so that the per-block pass reads the same values: its bytes carry 2^-6)
-// and inter_factor[row] = 2^b; otherwise the row stays as it was and its
-// factor is NaN. Rows past the routed pairs' were never written: skipped.
-constexpr int kFoldCodesThreads = 256;
+// as stage 1's Qa wrote them) of up to 8 blocks (d_expert up to 256: the
+// host asks for no more; a longer row gets a NaN factor), lane l taking
+// bytes 8l..8l+7 and its block's scale in one round trip. The row's largest
+// exponent x over its nonzero blocks gives base b = x - kFoldMaxShift. Where
+// every nonzero block lies at most -kFoldMinShift binades below b, none
+// holds a NaN byte and 2^(b - 6) is a normal float, each value becomes the
+// E4M3 byte of itself times 2^(e - b) (e4m3_codes_shifted), each block
+// scale 2^(b - 6) (so that the per-block pass reads the same values: its
+// bytes carry 2^-6) and inter_factor[row] = 2^b; otherwise the row stays as
+// it was and its factor is NaN. Rows past the routed pairs' were never
+// written: skipped. (Folding each tile's rows in the last of its stage-1
+// CTAs instead, three dependent round trips a row, cost bs=512 E=257's
+// stage 1 9.3 us for the 3.9 this kernel costs the chain: H200, 2026-12-03.)
+constexpr int kFoldCodesThreads = 256, kFoldCodesMaxBlocks = 8;
 __global__ void __launch_bounds__(kFoldCodesThreads) fold_inter_codes_kernel(
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale, const int* __restrict__ expert_offsets,
         int n_experts, int d_expert_pad, int blocks, float* __restrict__ inter_factor) {
     wait_for_previous_kernel();
     let_next_kernel_launch();
-    const int lane = threadIdx.x & 31, rows = expert_offsets[n_experts];
+    const int lane = threadIdx.x & 31, block = lane / 4, rows = expert_offsets[n_experts];
     const int warps = gridDim.x * (kFoldCodesThreads / 32), scale_len = d_expert_pad / kScaleBlock;
-    const int passes = (blocks * kScaleBlock + 255) / 256;
-    // Block exponent e of a scale 2^e, e in [-127, 127] (2^-127 is subnormal).
-    auto exponent_of = [](float scale) {
-        const uint32_t bits = float_to_bits(scale);
-        return bits >= 0x00800000u ? (int)(bits >> 23) - 127 : -127;
-    };
+    const bool in_row = block < blocks;
     for (int row = blockIdx.x * (kFoldCodesThreads / 32) + (int)(threadIdx.x / 32); row < rows; row += warps) {
-        uint8_t* values = inter + (size_t)row * d_expert_pad;
-        float* scales = inter_scale + (size_t)row * scale_len;
-        int largest = -128, smallest = 128;
-        bool has_nan = false;
-        for (int pass = 0; pass < passes; ++pass) {
-            const int block = pass * 8 + lane / 4;
-            const uint2 bytes = block < blocks ? *reinterpret_cast<const uint2*>(values + pass * 256 + 8 * lane)
-                                               : make_uint2(0u, 0u);
-            // A byte of magnitude 0x7F is E4M3's NaN (plus one carries into
-            // its bit 7, no code byte's does); a block is nonzero if any of its quad's bytes is.
-            has_nan |= (((bytes.x & 0x7F7F7F7Fu) + 0x01010101u) | ((bytes.y & 0x7F7F7F7Fu) + 0x01010101u))
-                       & 0x80808080u;
-            const uint32_t magnitudes = (bytes.x | bytes.y) & 0x7F7F7F7Fu;
-            bool nonzero = magnitudes != 0u;
-            nonzero |= __shfl_xor_sync(0xFFFFFFFFu, (int)nonzero, 1) != 0;
-            nonzero |= __shfl_xor_sync(0xFFFFFFFFu, (int)nonzero, 2) != 0;
-            if (nonzero && block < blocks) {
-                const int e = exponent_of(scales[block]);
-                largest = max(largest, e);
-                smallest = min(smallest, e);
-            }
-        }
+        uint2* word = reinterpret_cast<uint2*>(inter + (size_t)row * d_expert_pad + 8 * lane);
+        float* scale = inter_scale + (size_t)row * scale_len + block;
+        const uint2 bytes = in_row ? *word : make_uint2(0u, 0u);
+        const uint32_t scale_bits = in_row ? float_to_bits(*scale) : 0u;
+        // Block exponent e of a scale 2^e, e in [-127, 127] (2^-127 is subnormal).
+        const int e = scale_bits >= 0x00800000u ? (int)(scale_bits >> 23) - 127 : -127;
+        // A byte of magnitude 0x7F is E4M3's NaN (plus one carries into its
+        // bit 7, no code byte's does); a block is nonzero if any of its quad's bytes is.
+        const bool has_nan = __any_sync(0xFFFFFFFFu, ((((bytes.x & 0x7F7F7F7Fu) + 0x01010101u)
+                                                       | ((bytes.y & 0x7F7F7F7Fu) + 0x01010101u)) & 0x80808080u) != 0u);
+        const bool word_nonzero = ((bytes.x | bytes.y) & 0x7F7F7F7Fu) != 0u;
+        bool nonzero = word_nonzero;
+        nonzero |= __shfl_xor_sync(0xFFFFFFFFu, (int)nonzero, 1) != 0;
+        nonzero |= __shfl_xor_sync(0xFFFFFFFFu, (int)nonzero, 2) != 0;
+        int largest = nonzero ? e : -128, smallest = nonzero ? e : 128;
 #pragma unroll
         for (int offset = 4; offset < 32; offset <<= 1) {   // a quad already agrees
             largest = max(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
             smallest = min(smallest, __shfl_xor_sync(0xFFFFFFFFu, smallest, offset));
         }
-        has_nan = __any_sync(0xFFFFFFFFu, has_nan);
         const int base = largest == -128 ? 0 : largest - kFoldMaxShift;   // an all-zero row folds at any base
-        const bool folds = !has_nan && (largest == -128 || smallest - base >= kFoldMinShift) && base - 6 >= -126;
+        const bool folds = blocks <= kFoldCodesMaxBlocks && !has_nan
+                        && (largest == -128 || smallest - base >= kFoldMinShift) && base - 6 >= -126;
         if (lane == 0) inter_factor[row] = folds ? exact_pow2(base) : __int_as_float(0x7FC00000);
-        if (!folds) continue;   // warp-uniform
-        for (int pass = 0; pass < passes; ++pass) {
-            const int block = pass * 8 + lane / 4;
-            if (block >= blocks) break;
-            uint2* word = reinterpret_cast<uint2*>(values + pass * 256 + 8 * lane);
-            uint2 bytes = *word;
-            const int d = exponent_of(scales[block]) - base;
-            __syncwarp();   // every lane's scale read before lane 4j rewrites block j's
-            // A zero word stays (its block may be zero, with any exponent).
-            if (((bytes.x | bytes.y) & 0x7F7F7F7Fu) != 0u) {
-                bytes.x = e4m3_codes_shifted(bytes.x, d);
-                bytes.y = e4m3_codes_shifted(bytes.y, d);
-                *word = bytes;
-            }
-            if ((lane & 3) == 0) scales[block] = exact_pow2(base - 6);
-        }
+        if (!folds || !in_row) continue;
+        // A zero word stays (its block may be zero, with any exponent).
+        if (word_nonzero)
+            *word = make_uint2(e4m3_codes_shifted(bytes.x, e - base), e4m3_codes_shifted(bytes.y, e - base));
+        if ((lane & 3) == 0) *scale = exact_pow2(base - 6);
     }
 }
 
@@ -4315,7 +4296,7 @@ torch::Tensor moe_forward(
     const auto folded_weights = folded_stage2 ? torch::empty({num_pairs}, float_opts) : torch::Tensor();
     // The e4m3 configs' stage 2 on folded rows where a row tile is one stage (their stages are 8 blocks).
     const bool folded_rows = fp8 && wide_tile_tokens == 0 && folded_stage2_tokens((int)tile_tokens)
-                             && (d_expert + kScaleBlock - 1) / kScaleBlock <= 8;
+                             && (d_expert + kScaleBlock - 1) / kScaleBlock <= kFoldCodesMaxBlocks;
     const auto inter_factor = folded_rows ? torch::empty({num_pairs}, float_opts) : torch::Tensor();
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 

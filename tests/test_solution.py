@@ -206,7 +206,8 @@ def test_kernel_source_builds_for_sm90a_without_spills(kernel_build):
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
     assert len(kernels) == (1 + 4 + 3 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
                             + 2 * len(kernel_sets) + sum(c.fp8 for c in kernel_sets)
-                            + sum(c.fp8 and c.tile_tokens in solution.FOLDED_STAGE2_TOKENS for c in kernel_sets)), kernels
+                            + sum(c.fp8 and c.tile_tokens in solution.FOLDED_STAGE2_TOKENS
+                                  for c in kernel_sets)), kernels
     spills = re.findall(r"(\d+) bytes spill stores", report)
     assert spills and all(s == "0" for s in spills), report
     assert "C7520" not in report, [line for line in report.splitlines() if "C7520" in line]
