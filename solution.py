@@ -4427,10 +4427,15 @@ def _load_extension(name: str, arch: str, build_dir: str, declaration: Optional[
     previous_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
+        # Copies of the flag lists: load_inline appends torch's own link
+        # flags to the list it is given, which changed _build_location's key
+        # for the process's next build, so that a process that built twice
+        # (ab_bench's smoke run: _backend, then custom_kernel on cuda:0)
+        # built everything again in a second directory (75 s per version).
         return load_inline(name=name, cpp_sources=declaration or HOST_DECLARATION,
                            cuda_sources=source or KERNEL_SOURCE + HOST_SOURCE, functions=[function],
-                           extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=LINK_FLAGS, build_directory=build_dir,
-                           verbose=False)
+                           extra_cuda_cflags=list(NVCC_FLAGS), extra_ldflags=list(LINK_FLAGS),
+                           build_directory=build_dir, verbose=False)
     finally:
         if previous_arch is None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)

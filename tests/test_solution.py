@@ -1048,6 +1048,25 @@ def test_the_extension_links_the_shared_libstdcxx(monkeypatch, tmp_path):
     assert solution._build_location("9.0a")[1] != key
 
 
+def test_a_second_build_in_a_process_keeps_its_cache_key(monkeypatch, tmp_path):
+    """torch's load_inline appends its own link flags to the extra_ldflags
+    list it is given. Given LINK_FLAGS itself, the cache key of the
+    process's next build changed and it built everything again in a new
+    directory (ab_bench's smoke run, on an H200: 75 s more per version,
+    2026-12-03). Here a load_inline that appends as torch's does."""
+    import torch.utils.cpp_extension as cpp_extension
+    monkeypatch.setenv(solution.CACHE_DIR_ENV, str(tmp_path))
+
+    def appending_load_inline(**kwargs):
+        kwargs["extra_ldflags"].append("-ltorch")
+        kwargs["extra_cuda_cflags"].append("-DTORCH_EXTENSION_NAME=x")
+        return "module"
+    monkeypatch.setattr(cpp_extension, "load_inline", appending_load_inline)
+    key = solution._build_location("9.0a")
+    assert solution._load_extension("name", "9.0a", str(tmp_path)) == "module"
+    assert solution._build_location("9.0a") == key
+
+
 def test_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(solution.CACHE_DIR_ENV, str(tmp_path))
     build_dir, name = solution._build_location("9.0a")
