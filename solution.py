@@ -4285,7 +4285,7 @@ torch::Tensor moe_forward(
     // tokens in the per-block order) where one Qa CTA holds a token's whole
     // row; stage 2 folds its own at 144 tokens only (the 64-token wide stage
     // 2 runs in bf16, the plain ones on the codes and block scales stage 1
-    // writes).
+    // writes, or on those rows folded: folded_rows below).
     const bool folded = (wide_tile_tokens > 0 || fp8) && d_hidden_pad <= kPrepareColumns;
     const bool per_block_order = folded && fp8 && tile_tokens < kFoldedStage1MinTokens;
     const bool folded_stage2 = folded && wide_tile_tokens == 144;
