@@ -607,6 +607,22 @@ def test_folded_wide_stage2_in_and_past_its_window(shift):
     run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
 
 
+def with_first_intermediate_block_raised(data, shift):
+    """data whose intermediate rows have their first block 2^shift times the
+    rest (the up rows of columns 0-31 scaled up by shift binades), with the
+    down weights of those 32 columns zero, so that the whole output comes
+    from the rest of each row."""
+    d_expert_pad = data[11]["d_expert_pad"]
+    scales = data[3].view(torch.uint8).cpu().clone()
+    rows = scales.reshape(-1, 2 * d_expert_pad, scales.shape[-1])
+    rows[:, d_expert_pad:d_expert_pad + 32] = (rows[:, d_expert_pad:d_expert_pad + 32].to(torch.int32)
+                                               + shift).clamp(max=254).to(torch.uint8)
+    data = with_replaced(data, 3, scales.to(data[3].device).view(data[3].dtype))
+    down = data[2].view(torch.uint8).clone()
+    down[..., :16] = 0   # K columns 0-31: two fp4 codes per byte
+    return with_replaced(data, 2, down.view(data[2].dtype))
+
+
 @needs_cuda
 @pytest.mark.parametrize("shift", [10, 13, 16, 20])
 def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift):
@@ -618,16 +634,7 @@ def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift):
     runs in bf16). The down weights of those 32 columns are zero, so the
     whole output comes from the small values, which wrong bytes would
     change."""
-    data = reference.generate_input(1024, 512, 16, 4, 1, 64, 46)
-    d_expert_pad = data[11]["d_expert_pad"]
-    scales = data[3].view(torch.uint8).cpu().clone()
-    rows = scales.reshape(-1, 2 * d_expert_pad, scales.shape[-1])
-    rows[:, d_expert_pad:d_expert_pad + 32] = (rows[:, d_expert_pad:d_expert_pad + 32].to(torch.int32)
-                                               + shift).clamp(max=254).to(torch.uint8)
-    data = with_replaced(data, 3, scales.to(data[3].device).view(data[3].dtype))
-    down = data[2].view(torch.uint8).clone()
-    down[..., :16] = 0   # K columns 0-31: two fp4 codes per byte
-    data = with_replaced(data, 2, down.view(data[2].dtype))
+    data = with_first_intermediate_block_raised(reference.generate_input(1024, 512, 16, 4, 1, 64, 46), shift)
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
     assert out.float().abs().max() > 0
@@ -648,16 +655,7 @@ def test_folded_rows_stage2_at_and_past_the_edge_of_e4m3(shift, config):
     (the row's factor is NaN and its CTAs take the per-block pass on its
     codes). The down weights of those 32 columns are zero, so the whole
     output comes from the small values, which wrong bytes would change."""
-    data = reference.generate_input(1024, 256, 16, 4, 1, 64, 57)
-    d_expert_pad = data[11]["d_expert_pad"]
-    scales = data[3].view(torch.uint8).cpu().clone()
-    rows = scales.reshape(-1, 2 * d_expert_pad, scales.shape[-1])
-    rows[:, d_expert_pad:d_expert_pad + 32] = (rows[:, d_expert_pad:d_expert_pad + 32].to(torch.int32)
-                                               + shift).clamp(max=254).to(torch.uint8)
-    data = with_replaced(data, 3, scales.to(data[3].device).view(data[3].dtype))
-    down = data[2].view(torch.uint8).clone()
-    down[..., :16] = 0   # K columns 0-31: two fp4 codes per byte
-    data = with_replaced(data, 2, down.view(data[2].dtype))
+    data = with_first_intermediate_block_raised(reference.generate_input(1024, 256, 16, 4, 1, 64, 57), shift)
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
     assert out.float().abs().max() > 0
