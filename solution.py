@@ -662,11 +662,15 @@ class KernelConfig(NamedTuple):
     fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 to 32 tokens)
     stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (e4m3: 32, two MMA tiles)
     wide_tile_tokens: int = 0   # one of WIDE_TILE_TOKENS: the warp-specialised wide kernels (bf16 wgmma)
+    token_scaled: bool = True   # e4m3 tiles below FOLDED_STAGE1_MIN_TOKENS: stage 1 on activations folded
+    #                             per token (else per block on Qa's codes; see TOKEN_SCALED_MIN_PAIRS)
 
     def __str__(self):
         return ("%d/%dx%d/%d/%d" % self[:5] + ("/fp8" if self.fp8 else "/wgmma" if self.wgmma else "")
                 + (f"+{self.stage2_warp_rows}x{self.warp_tokens}" if self.stage2_warp_rows else "")
-                + (f"+wide{self.wide_tile_tokens}" if self.wide_tile_tokens else ""))
+                + (f"+wide{self.wide_tile_tokens}" if self.wide_tile_tokens else "")
+                + ("" if self.token_scaled or not self.fp8 or self.tile_tokens >= FOLDED_STAGE1_MIN_TOKENS
+                   else "/codes"))
 
 
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
@@ -694,6 +698,13 @@ GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8,
 # 4-5% slower (H200, 2026-12-02), so there each block's sum is scaled by its
 # weight factor alone (ScalePath::kTokenScaled).
 FOLDED_STAGE1_MIN_TOKENS = 16
+# The token-scaled stage 1 pays per CTA (its tokens' scales copied and
+# checked, the sums multiplied after K) for a shorter stage loop, which
+# pays back only where stage 1 has many tiles: with 1,152 pairs (bs=128
+# E=257) the call took 0.981-0.982 of the per-block one's, with 144 (bs=16,
+# K in slices) 0.999-1.002 at E=257 and 1.007-1.012 at E=33 (H200,
+# 2026-12-03, three A/B runs). choose_config takes it from this many pairs.
+TOKEN_SCALED_MIN_PAIRS = 1024
 # The e4m3 configs whose stage 2 takes folded intermediate rows (a pass after
 # stage 1 folds them: fold_inter_codes_kernel) where a row tile is one stage
 # (d_expert up to 256): 16 and 24 tokens. Its bound at 8 tokens, 1.6-2.2 us
@@ -4217,7 +4228,9 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
 // output, all NaN if any expert id lies outside [0, E): bad routing is never
 // silently wrong, and no host synchronisation is needed to say so.
 // n_shared_experts: how many of each token's ids (the last) are shared
-// experts, for the expected tile count only (0 if unknown); stage1_splits:
+// experts, for the expected tile count only (0 if unknown); token_scaled:
+// the 8-token e4m3 config's stage 1 on activations folded per token (the
+// config's field; see TOKEN_SCALED_MIN_PAIRS); stage1_splits:
 // slices of stage 1's K, or 0 to choose (see stage1_splits);
 // stage2_row_tiles: row tiles per stage-2 CTA, or 0 to choose (see stage2_row_tiles).
 torch::Tensor moe_forward(
@@ -4225,7 +4238,8 @@ torch::Tensor moe_forward(
         torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t n_shared_experts, int64_t tile_tokens,
         int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
-        int64_t stage2_warp_rows, int64_t wide_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles) {
+        int64_t stage2_warp_rows, int64_t wide_tile_tokens, bool token_scaled,
+        int64_t stage1_splits, int64_t stage2_row_tiles) {
     using namespace moe;
     const int64_t warp_rows2 = stage2_warp_rows > 0 ? stage2_warp_rows : warp_rows;
 #define MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2) (tile_tokens == 8 * NT && warp_rows == 16 * MT && \
@@ -4286,7 +4300,8 @@ torch::Tensor moe_forward(
     // row; stage 2 folds its own at 144 tokens only (the 64-token wide stage
     // 2 runs in bf16, the plain ones on the codes and block scales stage 1
     // writes, or on those rows folded: folded_rows below).
-    const bool folded = (wide_tile_tokens > 0 || fp8) && d_hidden_pad <= kPrepareColumns;
+    const bool folded = (wide_tile_tokens > 0 || (fp8 && (tile_tokens >= kFoldedStage1MinTokens || token_scaled)))
+                        && d_hidden_pad <= kPrepareColumns;
     const bool per_block_order = folded && fp8 && tile_tokens < kFoldedStage1MinTokens;
     const bool folded_stage2 = folded && wide_tile_tokens == 144;
     const Activations act(m, d_hidden_pad, fp8, folded, hidden_states.options());
@@ -4365,7 +4380,8 @@ torch::Tensor moe_forward(
     torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t n_shared_experts, int64_t tile_tokens,
     int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
-    int64_t stage2_warp_rows, int64_t wide_tile_tokens, int64_t stage1_splits, int64_t stage2_row_tiles);
+    int64_t stage2_warp_rows, int64_t wide_tile_tokens, bool token_scaled,
+    int64_t stage1_splits, int64_t stage2_row_tiles);
 """
 
 # ===========================================================================
@@ -4503,7 +4519,8 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     144-token tiles, converting each weight once for that many tokens."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
-        return KernelConfig(8, 16, 8, 8, 4, True, True, 32) if wgmma else KernelConfig(8, 16, 8, 8, 4, False)
+        return (KernelConfig(8, 16, 8, 8, 4, True, True, 32, token_scaled=m * top_k >= TOKEN_SCALED_MIN_PAIRS)
+                if wgmma else KernelConfig(8, 16, 8, 8, 4, False))
     if wgmma and 16 < tokens_per_expert <= 24:
         return KernelConfig(24, 16, 24, 8, 3, True, True)
     if wgmma and 24 < tokens_per_expert <= 28:
