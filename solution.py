@@ -47,7 +47,7 @@ each token's values as E4M3 bytes against its row's largest block exponent,
 the weights fold against each row's first block, and each sum is scaled once
 by its row's and token's powers of two. That is exact wherever a row's blocks
 fit E4M3's window; where one does not, the bf16 kernel computes stage 1
-again. At 144 tokens stage 2 folds the same way, its intermediate rows folded
+again. Over wide tiles stage 2 folds the same way, its intermediate rows folded
 by a pass of their own after stage 1; whether all of them and all down-weight
 rows fold is known before it starts (its adds are final), and if not the bf16
 kernel does all of stage 2. The plain e4m3 tiles' stage 1 reads the same
@@ -3744,6 +3744,7 @@ MOE_INSTANTIATE_WIDE_STAGE1(144, true)
         const int2*, const int*, int, int, int, int, float*, int*, const __grid_constant__ TensorMap,          \
         const __grid_constant__ TensorMap);
 MOE_INSTANTIATE_WIDE_STAGE2(64, false)
+MOE_INSTANTIATE_WIDE_STAGE2(64, true)
 MOE_INSTANTIATE_WIDE_STAGE2(144, false)
 MOE_INSTANTIATE_WIDE_STAGE2(144, true)
 #undef MOE_INSTANTIATE_WIDE_STAGE2
@@ -4177,7 +4178,7 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
 // all measured alike), with the first lookup before the barriers' setup,
 // and slower (58) with the pairs listed row-tile-major; 51 since its adds
 // take their token lookups from before the MMAs (add_weighted_rows).
-// folded (144 tokens): fold_inter_rows_kernel, the e4m3 kernel over its
+// folded: fold_inter_rows_kernel, the e4m3 kernel over its
 // bytes, then the bf16 one over *c.stage2_redo tiles (none unless a row did
 // not fold: its CTAs then leave at once).
 template <int kTokens>
@@ -4201,22 +4202,18 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
             c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(), c.stage2_redo,
             down_map(c, W::kStageBlocks), acts);
     };
-    if constexpr (kTokens == 144) {
-        if (folded) {
-            const auto stage2_folded = stage2_wide_kernel<kTokens, true>;
-            allow_shared_memory(stage2_folded, W::kSharedBytes);
-            TORCH_CHECK(ctas_per_sm(stage2_folded, W::threads(true), W::kSharedBytes) == 1,
-                        "moe_mxfp4: the folded wide stage 2 must fit one CTA per SM");
-            launch_after_previous(fold_inter_rows_kernel, dim3((unsigned)std::max(1, (c.num_pairs + 7) / 8)),
-                                  kFoldInterThreads, 0, c.stream, c.inter.bytes(), c.num_pairs, c.d_expert_pad,
-                                  c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights,
-                                  c.stage2_redo);
-            launch(stage2_folded, W::threads(true), c.folded_weights, t.count,
-                   tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128,
-                              kTokens));
-            launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));
-            return;
-        }
+    if (folded) {
+        const auto stage2_folded = stage2_wide_kernel<kTokens, true>;
+        allow_shared_memory(stage2_folded, W::kSharedBytes);
+        TORCH_CHECK(ctas_per_sm(stage2_folded, W::threads(true), W::kSharedBytes) == 1,
+                    "moe_mxfp4: the folded wide stage 2 must fit one CTA per SM");
+        launch_after_previous(fold_inter_rows_kernel, dim3((unsigned)std::max(1, (c.num_pairs + 7) / 8)),
+                              kFoldInterThreads, 0, c.stream, c.inter.bytes(), c.num_pairs, c.d_expert_pad,
+                              c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights, c.stage2_redo);
+        launch(stage2_folded, W::threads(true), c.folded_weights, t.count,
+               tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128, kTokens));
+        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));
+        return;
     }
     launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens));
 }
@@ -4297,13 +4294,13 @@ torch::Tensor moe_forward(
     // Wide tiles and the e4m3 configs' plain tiles take folded E4M3
     // activations (both stage 1s' folded forms; below kFoldedStage1MinTokens
     // tokens in the per-block order) where one Qa CTA holds a token's whole
-    // row; stage 2 folds its own at 144 tokens only (the 64-token wide stage
-    // 2 runs in bf16, the plain ones on the codes and block scales stage 1
-    // writes, or on those rows folded: folded_rows below).
+    // row; the wide stage 2 folds its own (fold_inter_rows_kernel), the plain
+    // ones run on the codes and block scales stage 1 writes, or on those rows
+    // folded (folded_rows below).
     const bool folded = (wide_tile_tokens > 0 || (fp8 && (tile_tokens >= kFoldedStage1MinTokens || token_scaled)))
                         && d_hidden_pad <= kPrepareColumns;
     const bool per_block_order = folded && fp8 && tile_tokens < kFoldedStage1MinTokens;
-    const bool folded_stage2 = folded && wide_tile_tokens == 144;
+    const bool folded_stage2 = folded && wide_tile_tokens > 0;
     const Activations act(m, d_hidden_pad, fp8, folded, hidden_states.options());
     const Activations inter(num_pairs, d_expert_pad, fp8, false, hidden_states.options());
     const auto inter_folded = folded_stage2 ? torch::empty({num_pairs, d_expert_pad}, int_opts.dtype(torch::kUInt8))
@@ -4360,7 +4357,7 @@ torch::Tensor moe_forward(
     } else {
         if (wide_tile_tokens == 64 && folded) launch_wide_stage1<64>(call, wide, true, redo_tiles);
         else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1) }
-        if (wide_tile_tokens == 64) launch_wide_stage2<64>(call, wide, false);
+        if (wide_tile_tokens == 64) launch_wide_stage2<64>(call, wide, folded);
         else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE2) }
     }
 #undef MOE_LAUNCH_STAGE1

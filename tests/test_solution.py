@@ -208,11 +208,11 @@ def test_kernel_source_builds_for_sm90a_without_spills(kernel_build):
     # convert; route+quantise for both activation formats and the folded one in both orders; the folded path's fallback
     # kernel and stage 2's two folds of the intermediate rows (bf16 for the wide kernel, E4M3 codes for the
     # e4m3 configs' stage 2 on folded rows); SwiGLU+Qa of split stage 1 for both formats at 1, 2
-    # and 4 rows per warp; the wide stage 2 of each wide tile width, and folded at 144; the wide stage 1 of
+    # and 4 rows per warp; the wide stage 2 of each wide tile width, bf16 and folded; the wide stage 1 of
     # each width, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that
     # differ in wide tiles only), and the e4m3 configs' stage 1 also folded, and of some their stage 2 on folded rows
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
-    assert len(kernels) == (1 + 4 + 3 + 2 * 3 + len(solution.WIDE_TILE_TOKENS) + 1 + 2 * len(solution.WIDE_TILE_TOKENS)
+    assert len(kernels) == (1 + 4 + 3 + 2 * 3 + 4 * len(solution.WIDE_TILE_TOKENS)
                             + 2 * len(kernel_sets) + sum(c.fp8 for c in kernel_sets)
                             + sum(c.fp8 and c.tile_tokens in solution.FOLDED_STAGE2_TOKENS
                                   for c in kernel_sets)), kernels
@@ -600,9 +600,10 @@ def test_wide_stage1_ctas_over_several_whole_k_units(config):
 
 
 @needs_cuda
+@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
 @pytest.mark.parametrize("shift", [-8, -4, 3, 8], ids=lambda n: f"shift{n}")
-def test_folded_wide_stage2_in_and_past_its_window(shift):
-    """The same for the 144-token wide stage 2's down-weight rows: moved by
+def test_folded_wide_stage2_in_and_past_its_window(shift, config):
+    """The same for the wide stage 2's down-weight rows (64 and 144 tokens): moved by
     -4 or 3 binades they fold and the e4m3 kernel runs; by -8 or 8
     folded_fallback_kernel finds them outside the window before stage 2
     starts, and the bf16 kernel does all of stage 2 (the e4m3 kernel's
@@ -612,7 +613,7 @@ def test_folded_wide_stage2_in_and_past_its_window(shift):
                          generator=torch.Generator().manual_seed(45))
     data = with_first_block_scales_moved(data, rows, shift, index=4)
     module = solution._backend(torch.device("cuda"))[1]
-    run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
+    run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
 
 
 def with_first_intermediate_block_raised(data, shift):
@@ -632,8 +633,9 @@ def with_first_intermediate_block_raised(data, shift):
 
 
 @needs_cuda
+@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
 @pytest.mark.parametrize("shift", [10, 13, 16, 20])
-def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift):
+def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift, config):
     """Intermediate rows whose first block is 2^shift times the rest (the up
     rows of columns 0-31 scaled up): the rest of each row lies shift
     binades below the row's largest, at 10-16 partly in E4M3's subnormals
@@ -644,7 +646,7 @@ def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift):
     change."""
     data = with_first_intermediate_block_raised(reference.generate_input(1024, 512, 16, 4, 1, 64, 46), shift)
     module = solution._backend(torch.device("cuda"))[1]
-    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, WIDE_144))
+    out = run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
     assert out.float().abs().max() > 0
 
 
@@ -781,7 +783,8 @@ def test_folded_wide_stage1_redo_is_right_on_every_call(config, splits):
 
 
 @needs_cuda
-def test_folded_wide_stage2_redo_is_right_on_every_call():
+@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
+def test_folded_wide_stage2_redo_is_right_on_every_call(config):
     """Down-weight rows whose first block lies 8 binades off the rest: the
     fallback kernel finds them outside the fold before stage 2 starts, the
     e4m3 stage 2 leaves, and the bf16 one runs all of stage 2: the same
@@ -791,7 +794,7 @@ def test_folded_wide_stage2_redo_is_right_on_every_call():
                          generator=torch.Generator().manual_seed(55))
     data = with_first_block_scales_moved(data, rows, 8, index=4)
     module = solution._backend(torch.device("cuda"))[1]
-    check_every_call(lambda: solution._run_kernels(module, data, WIDE_144), reference.ref_kernel(data), 8)
+    check_every_call(lambda: solution._run_kernels(module, data, config), reference.ref_kernel(data), 8)
 
 
 @needs_cuda
