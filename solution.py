@@ -679,7 +679,7 @@ class KernelConfig(NamedTuple):
 # (one CTA per SM), both stages, beyond, where at 512 tokens and 32 routed
 # experts an expert has 128 +- 11 tokens, which 144 cover in one tile for most
 # experts.
-WIDE_TILE_TOKENS = (64, 144)
+WIDE_TILE_TOKENS = (48, 64, 144)
 
 
 # Every GEMM configuration compiled into the kernels; choose_config picks one.
@@ -951,11 +951,13 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a
 template <int N>
 __device__ __forceinline__ void wgmma_e4m3_mma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
                                                uint32_t accumulate) {
-    static_assert(N == 8 || N == 16 || N == 24 || N == 32 || N == 64 || N == 144, "the generated e4m3 wrappers");
+    static_assert(N == 8 || N == 16 || N == 24 || N == 32 || N == 48 || N == 64 || N == 144,
+                  "the generated e4m3 wrappers");
     if constexpr (N == 8) wgmma_m64n8k32_e4m3(d, a, b_descriptor, accumulate);
     else if constexpr (N == 16) wgmma_m64n16k32_e4m3(d, a, b_descriptor, accumulate);
     else if constexpr (N == 24) wgmma_m64n24k32_e4m3(d, a, b_descriptor, accumulate);
     else if constexpr (N == 32) wgmma_m64n32k32_e4m3(d, a, b_descriptor, accumulate);
+    else if constexpr (N == 48) wgmma_m64n48k32_e4m3(d, a, b_descriptor, accumulate);
     else if constexpr (N == 64) wgmma_m64n64k32_e4m3(d, a, b_descriptor, accumulate);
     else wgmma_m64n144k32_e4m3(d, a, b_descriptor, accumulate);
 }
@@ -2937,6 +2939,7 @@ template <int kTokens>
 __device__ __forceinline__ void wgmma_wide(float (&d)[kTokens / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
                                            uint32_t accumulate) {
     if constexpr (kTokens == 144) wgmma_m64n144k16(d, a, b_descriptor, accumulate);
+    else if constexpr (kTokens == 48) wgmma_m64n48k16(d, a, b_descriptor, accumulate);
     else wgmma_m64n64k16(d, a, b_descriptor, accumulate);
 }
 // kRing1Folded: the folded stage 1's slots, of 8 blocks (WideStage1).
@@ -2944,6 +2947,9 @@ template <> struct WideTraits<144> {
     static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 4, kRing1Folded = 3, kProducerWarps1 = 4;
 };
 template <> struct WideTraits<64> {
+    static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 6, kRing1Folded = 4, kProducerWarps1 = 4;
+};
+template <> struct WideTraits<48> {
     static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 6, kRing1Folded = 4, kProducerWarps1 = 4;
 };
 // A wide tile's pipeline stage (both stages' wide kernels): kStageBlocks
@@ -2969,7 +2975,7 @@ struct WideLayout : WideTraits<kTokens_> {
 template <int kTokens>
 struct WideStage2 : WideLayout<kTokens> {
     using L = WideLayout<kTokens>;
-    static constexpr int kRing = kTokens == 64 ? 6 : 3;
+    static constexpr int kRing = kTokens == 144 ? 3 : 6;
     // Warps that add finished row tiles into the accumulator while the
     // consumers multiply the next: in the folded (e4m3) 144-token kernel
     // and the 64-token one. In the bf16 144-token kernel (a fallback) their
@@ -3734,6 +3740,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     template __global__ void stage1_wide_kernel<N, FOLDED>(const uint8_t*, const uint8_t*, const float*,         \
         const int*, const int*, const int2*, const int*, int, int, int, int, int, int, int, uint8_t*, float2*,   \
         int, int*, const __grid_constant__ TensorMap);
+MOE_INSTANTIATE_WIDE_STAGE1(48, false)
+MOE_INSTANTIATE_WIDE_STAGE1(48, true)
 MOE_INSTANTIATE_WIDE_STAGE1(64, false)
 MOE_INSTANTIATE_WIDE_STAGE1(64, true)
 MOE_INSTANTIATE_WIDE_STAGE1(144, false)
@@ -3743,6 +3751,8 @@ MOE_INSTANTIATE_WIDE_STAGE1(144, true)
     template __global__ void stage2_wide_kernel<N, FOLDED>(const uint8_t*, const int*, const float*, const int*, \
         const int2*, const int*, int, int, int, int, float*, int*, const __grid_constant__ TensorMap,          \
         const __grid_constant__ TensorMap);
+MOE_INSTANTIATE_WIDE_STAGE2(48, false)
+MOE_INSTANTIATE_WIDE_STAGE2(48, true)
 MOE_INSTANTIATE_WIDE_STAGE2(64, false)
 MOE_INSTANTIATE_WIDE_STAGE2(64, true)
 MOE_INSTANTIATE_WIDE_STAGE2(144, false)
@@ -4249,13 +4259,13 @@ torch::Tensor moe_forward(
     TORCH_CHECK(known, "moe_mxfp4: no kernels built for tile_tokens=", tile_tokens, ", warp_rows=", warp_rows,
                 ", warp_tokens=", warp_tokens, ", stage_blocks=", stage_blocks, ", stages=", stages,
                 ", wgmma=", wgmma, ", fp8=", fp8, ", stage2_warp_rows=", stage2_warp_rows);
-    TORCH_CHECK(wide_tile_tokens == 0 || ((wide_tile_tokens == 64 || wide_tile_tokens == 144) && wgmma && !fp8
-                                          && stage_blocks == 4 && tile_tokens == 64),
-                "moe_mxfp4: wide tiles of ", wide_tile_tokens, " tokens: only 64 or 144, with the bf16 "
+    TORCH_CHECK(wide_tile_tokens == 0 || ((wide_tile_tokens == 48 || wide_tile_tokens == 64 || wide_tile_tokens == 144)
+                                          && wgmma && !fp8 && stage_blocks == 4 && tile_tokens == 64),
+                "moe_mxfp4: wide tiles of ", wide_tile_tokens, " tokens: only 48, 64 or 144, with the bf16 "
                 "warpgroup-MMA config of 64-token tiles and 4-block stages");
-    // The routing's second table, of 144-token tiles; 64-token wide tiles
-    // are the config's own tiles, so the wide stage 2 then reads its table.
-    const bool wide_table = wide_tile_tokens == 144;
+    // The routing's second table, of 48- or 144-token tiles; 64-token wide
+    // tiles are the config's own tiles, so the wide stage 2 then reads its table.
+    const bool wide_table = wide_tile_tokens == 48 || wide_tile_tokens == 144;
     for (const auto& [name, tensor] : {std::make_pair("gate_up_weight", &gate_up_weight),
                                        std::make_pair("down_weight", &down_weight),
                                        std::make_pair("gate_up_scale", &gate_up_scale),
@@ -4354,6 +4364,9 @@ torch::Tensor moe_forward(
     if (wide_tile_tokens == 144) {
         launch_wide_stage1<144>(call, wide, folded, redo_tiles);
         launch_wide_stage2<144>(call, wide, folded);
+    } else if (wide_tile_tokens == 48) {
+        launch_wide_stage1<48>(call, wide, folded, redo_tiles);
+        launch_wide_stage2<48>(call, wide, folded);
     } else {
         if (wide_tile_tokens == 64 && folded) launch_wide_stage1<64>(call, wide, true, redo_tiles);
         else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1) }
@@ -4525,7 +4538,8 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     if tokens_per_expert <= 20:
         return KernelConfig(16, 16, 16, 8, 3, wgmma, wgmma)
     if wgmma:
-        return KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144 if tokens_per_expert > 96 else 64)
+        return KernelConfig(64, 16, 64, 4, 4, True, False, 0,
+                            144 if tokens_per_expert > 96 else 64 if tokens_per_expert > 40 else 48)
     return KernelConfig(64, 16, 64, 4, 4, False) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4, False)
 
 

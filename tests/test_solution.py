@@ -149,7 +149,7 @@ def test_wrong_tuple_is_refused():
     (16, 9, 257, 256, (8, 16, 8, 8, 4, True, True, 32, 0, False)),
     (128, 9, 257, 256, (8, 16, 8, 8, 4, True, True, 32)), (512, 9, 257, 256, (24, 16, 24, 8, 3, True, True)),
     (16, 9, 33, 512, (8, 16, 8, 8, 4, True, True, 32, 0, False)),
-    (128, 9, 33, 512, (64, 16, 64, 4, 4, True, False, 0, 64)),
+    (128, 9, 33, 512, (64, 16, 64, 4, 4, True, False, 0, 48)),
     (512, 9, 33, 512, (64, 16, 64, 4, 4, True, False, 0, 144)),
     (512, 9, 33, 2048, (64, 16, 64, 4, 4, True, False, 0, 144)),
     # measured off the benchmark shapes, near where the chooser switches tiles
@@ -505,15 +505,16 @@ def test_every_config_takes_the_wide_path_in_stage1(config):
 
 WIDE_144 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 144)
 WIDE_64 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 64)
+WIDE_48 = solution.KernelConfig(64, 16, 64, 4, 4, True, False, 0, 48)
 # Every config whose stage 1 has a folded e4m3 form: the wide ones and the
 # plain e4m3 ones (below FOLDED_STAGE1_MIN_TOKENS, token-scaled: the
 # activations fold, the weights do not).
-FOLDED_STAGE1 = [WIDE_64, WIDE_144, *(c for c in solution.GEMM_CONFIGS if c.fp8)]
+FOLDED_STAGE1 = [WIDE_48, WIDE_64, WIDE_144, *(c for c in solution.GEMM_CONFIGS if c.fp8)]
 TOKEN_SCALED = next(c for c in solution.GEMM_CONFIGS if c.fp8 and c.tile_tokens < solution.FOLDED_STAGE1_MIN_TOKENS)
 
 
 def config_id(config):
-    return {WIDE_64: "wide64", WIDE_144: "wide144"}.get(config, str(config).replace("/", "-"))
+    return {WIDE_48: "wide48", WIDE_64: "wide64", WIDE_144: "wide144"}.get(config, str(config).replace("/", "-"))
 
 
 def with_gate_up_block(data, expert, row, block, code_byte, scale_byte, scales=None):
@@ -586,7 +587,7 @@ def test_token_scaled_stage1_takes_the_per_block_pass_above_its_limit():
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
+@pytest.mark.parametrize("config", [WIDE_48, WIDE_64, WIDE_144], ids=config_id)
 def test_wide_stage1_ctas_over_several_whole_k_units(config):
     """Stage 1's K whole over more units than CTAs (1,024 intermediate
     columns: 16 per tile, 20 tiles of 144 tokens, 40 of 64, over at most
@@ -600,7 +601,7 @@ def test_wide_stage1_ctas_over_several_whole_k_units(config):
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
+@pytest.mark.parametrize("config", [WIDE_48, WIDE_64, WIDE_144], ids=config_id)
 @pytest.mark.parametrize("shift", [-8, -4, 3, 8], ids=lambda n: f"shift{n}")
 def test_folded_wide_stage2_in_and_past_its_window(shift, config):
     """The same for the wide stage 2's down-weight rows (64 and 144 tokens): moved by
@@ -633,7 +634,7 @@ def with_first_intermediate_block_raised(data, shift):
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
+@pytest.mark.parametrize("config", [WIDE_48, WIDE_64, WIDE_144], ids=config_id)
 @pytest.mark.parametrize("shift", [10, 13, 16, 20])
 def test_folded_wide_stage2_at_and_past_the_edge_of_e4m3(shift, config):
     """Intermediate rows whose first block is 2^shift times the rest (the up
@@ -764,7 +765,7 @@ def test_folded_stage1_keeps_a_nan_scale_near_the_top_of_the_window(config):
 
 @needs_cuda
 @pytest.mark.parametrize("splits", [1, 0], ids=["one_slice", "chosen_slices"])
-@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
+@pytest.mark.parametrize("config", [WIDE_48, WIDE_64, WIDE_144], ids=config_id)
 def test_folded_wide_stage1_redo_is_right_on_every_call(config, splits):
     """A gate row's block of scale byte 255 over nonzero codes: the folded
     wide stage 1 meets it outside its window and the bf16 kernel runs all
@@ -783,7 +784,7 @@ def test_folded_wide_stage1_redo_is_right_on_every_call(config, splits):
 
 
 @needs_cuda
-@pytest.mark.parametrize("config", [WIDE_64, WIDE_144], ids=config_id)
+@pytest.mark.parametrize("config", [WIDE_48, WIDE_64, WIDE_144], ids=config_id)
 def test_folded_wide_stage2_redo_is_right_on_every_call(config):
     """Down-weight rows whose first block lies 8 binades off the rest: the
     fallback kernel finds them outside the fold before stage 2 starts, the

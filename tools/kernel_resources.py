@@ -51,14 +51,14 @@ int main() {
     printf("%-34s %8s %12s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048");
 #define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
     MOE_GEMM_CONFIGS(MOE_SHOW)
-    show_wide<WideStage1<64>>(1, WideStage1<64>::kCtasPerSm1, 0);
-    show_wide<WideStage1<64, true>>(1, WideStage1<64>::kCtasPerSm1, WideStage1<64, true>::kFoldedExtraBytes);
-    show_wide<WideStage2<64>>(2, WideStage2<64>::kCtasPerSm, 0);
-    show_wide<WideStage1<144>>(1, WideStage1<144>::kCtasPerSm1, 0);
-    show_wide<WideStage1<144, true>>(1, WideStage1<144>::kCtasPerSm1, WideStage1<144, true>::kFoldedExtraBytes);
-    show_wide<WideStage2<144>>(2, WideStage2<144>::kCtasPerSm, 0);
+    MOE_SHOW_WIDE_KERNELS
 }
 """
+# Each wide tile width's three kernels (stage 1 in bf16 and folded, stage 2), in WIDE_TILE_TOKENS' order.
+SHARED_MEMORY_DRIVER = SHARED_MEMORY_DRIVER.replace("MOE_SHOW_WIDE_KERNELS", "\n    ".join(
+    f"show_wide<WideStage1<{n}>>(1, WideStage1<{n}>::kCtasPerSm1, 0);\n"
+    f"    show_wide<WideStage1<{n}, true>>(1, WideStage1<{n}>::kCtasPerSm1, WideStage1<{n}, true>::kFoldedExtraBytes);\n"
+    f"    show_wide<WideStage2<{n}>>(2, WideStage2<{n}>::kCtasPerSm, 0);" for n in sorted(solution.WIDE_TILE_TOKENS)))
 
 
 def ptxas_report(folder: str, source_text: str = "") -> tuple:
