@@ -674,11 +674,13 @@ class KernelConfig(NamedTuple):
 
 
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
-# 64 for experts of 29 to 96 tokens (stage 1 only in its folded e4m3 form, for
-# rows of up to 8,192 values; otherwise the config's own 64-token kernel); 144
-# (one CTA per SM), both stages, beyond, where at 512 tokens and 32 routed
-# experts an expert has 128 +- 11 tokens, which 144 cover in one tile for most
-# experts.
+# 48 for experts of 29 to 40 tokens, both stages over the routing's second
+# table (at 128 tokens and 32 routed experts an expert has 32 +- 6 tokens,
+# which 64-token tiles ran half empty); 64 from 41 to 96 (stage 1 only in its
+# folded e4m3 form, for rows of up to 8,192 values; otherwise the config's own
+# 64-token kernel); 144 (one CTA per SM), both stages, beyond, where at 512
+# tokens and 32 routed experts an expert has 128 +- 11 tokens, which 144 cover
+# in one tile for most experts.
 WIDE_TILE_TOKENS = (48, 64, 144)
 
 
@@ -2949,6 +2951,7 @@ template <> struct WideTraits<144> {
 template <> struct WideTraits<64> {
     static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 6, kRing1Folded = 4, kProducerWarps1 = 4;
 };
+// 48 tokens: as 64.
 template <> struct WideTraits<48> {
     static constexpr int kCtasPerSm = 1, kCtasPerSm1 = 1, kRing1 = 6, kRing1Folded = 4, kProducerWarps1 = 4;
 };
@@ -3734,8 +3737,8 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     }
 }
 
-// Explicit instantiations, as for the GEMM configs: both stages of both
-// widths, stage 1 folded at both and stage 2 folded at 144.
+// Explicit instantiations, as for the GEMM configs: both stages of each
+// width, bf16 and folded.
 #define MOE_INSTANTIATE_WIDE_STAGE1(N, FOLDED)                                                                  \
     template __global__ void stage1_wide_kernel<N, FOLDED>(const uint8_t*, const uint8_t*, const float*,         \
         const int*, const int*, const int2*, const int*, int, int, int, int, int, int, int, uint8_t*, float2*,   \
@@ -3790,9 +3793,10 @@ namespace moe {
 
 // Raise a kernel's dynamic shared-memory limit to the most any launch of it
 // uses, once per kernel and device (a lower limit set later would break the
-// launches that need more).
+// launches that need more); all_shared_carveout: and ask for the SM's
+// whole carveout as shared memory.
 template <typename Kernel>
-void allow_shared_memory(Kernel kernel, int max_bytes) {
+void allow_shared_memory(Kernel kernel, int max_bytes, bool all_shared_carveout = false) {
     static std::mutex mutex;
     static std::set<std::pair<const void*, int>> done;
     int device = 0;
@@ -3801,6 +3805,8 @@ void allow_shared_memory(Kernel kernel, int max_bytes) {
     std::lock_guard<std::mutex> lock(mutex);
     if (done.count(key)) return;
     MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_bytes));
+    if (all_shared_carveout)   // 100: percent of the unified L1
+        MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
     done.insert(key);
 }
 
@@ -4135,7 +4141,14 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     constexpr int kFoldedSharedBytes = F::kSharedBytes + F::kFoldedExtraBytes;
     static_assert(F::kThreads == W::kThreads && F::kStageBlocks % W::kStageBlocks == 0, "one grid, one slicing");
     allow_shared_memory(stage1, W::kSharedBytes);
-    allow_shared_memory(stage1_folded, kFoldedSharedBytes);
+    // The SM's whole carveout as shared memory, so that folded_fallback_kernel's
+    // CTA fits beside the e4m3 one: otherwise the driver sets an SM to the least
+    // that kernel's CTA needs (132 KB for the 130.5 KB of 48-token tiles, then
+    // no room for the fallback's 1 KB reserve), and the fallback, placed only
+    // as stage 1's CTAs left, ended 5 us after them at bs=128 E=33 (H200,
+    // 2026-12-03). Not for every kernel: that cost the plain e4m3 stage 1s
+    // 4-6% of their time (their L1).
+    allow_shared_memory(stage1_folded, kFoldedSharedBytes, true);
     const int k_blocks = c.k_blocks1();
     // The slices of the kernel that runs first, in its whole stages (folded:
     // the bf16 redo writes the same partial sums over them).
@@ -4356,7 +4369,8 @@ torch::Tensor moe_forward(
                                           : TileTable{tiles, num_tiles, max_tiles, wide_tiles_estimate};
     // 64-token wide tiles: the folded wide stage 1 where Qa folds the
     // activations, else the config's own 64-token kernel, over the same
-    // tiles (see WideTraits); stage 2 in the wide kernel, bf16.
+    // tiles (see WideTraits); stage 2 in the wide kernel. 48 and 144: both
+    // stages in the wide kernels, over the second table.
 #define MOE_LAUNCH_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2)) launch_stage1<NT, MT, WT, SB, STAGES, WG, FP8>(call, narrow);
 #define MOE_LAUNCH_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
@@ -4526,7 +4540,9 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     two compute warpgroups, no CTA barrier per stage), and so does stage 1
     where Qa can fold the activations into E4M3 bytes (e4m3 MMAs; see
     WideTraits); with more than 96 tokens per expert both stages run over
-    144-token tiles, converting each weight once for that many tokens."""
+    144-token tiles, converting each weight once for that many tokens, and
+    up to 40 over 48-token tiles (bs=128 E=33: 32 +- 6 tokens per routed
+    expert, which 64-token tiles ran half empty)."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
         return (KernelConfig(8, 16, 8, 8, 4, True, True, 32, token_scaled=m * top_k >= TOKEN_SCALED_MIN_PAIRS)
