@@ -4,7 +4,7 @@
                                                 predecessor's end: see call_kernel_times)
     python tools/profile_kernels.py --sweep [BS:ROUTED:D_EXPERT ...]
                                                 each GEMM config the chooser can pick, timed, and the
-                                                chosen config with stage 1's K in 1, 2, 4 and 8 slices
+                                                chosen config with stage 1's K in 1, 2, 3, 4 and 8 slices
                                                 and stage 2's CTAs over 1, 2, 4 and 8 row tiles, on the
                                                 benchmark shapes or the shapes given (d_hidden 7168,
                                                 top-8 routed + 1 shared expert, seed 1), e.g. 384:256:256
@@ -149,7 +149,7 @@ def per_kernel(repeats: int) -> None:
         print(f"{label}: {busy:.1f} us busy, {span:.1f} us first start to last end = {parts}", flush=True)
 
 
-SLICES = (1, 2, 4, 8)   # stage 1 K slices the sweep times for the chosen config
+SLICES = (1, 2, 3, 4, 8)   # stage 1 K slices the sweep times for the chosen config
 ROW_TILES = (1, 2, 4, 8)   # row tiles per stage-2 CTA the sweep times for the chosen config
 
 
