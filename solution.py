@@ -2980,8 +2980,8 @@ struct WideStage2 : WideLayout<kTokens> {
     using L = WideLayout<kTokens>;
     static constexpr int kRing = kTokens == 144 ? 3 : 6;
     // Warps that add finished row tiles into the accumulator while the
-    // consumers multiply the next: in the folded (e4m3) 144-token kernel
-    // and the 64-token one. In the bf16 144-token kernel (a fallback) their
+    // consumers multiply the next: in every kernel but the bf16 144-token
+    // one. In that kernel (a fallback) their
     // threads' share of the register file made ptxas serialise its MMAs
     // (C7512); there the consumers add.
     static constexpr __host__ __device__ int epilogue_warps(bool folded) {
