@@ -707,6 +707,11 @@ FOLDED_STAGE1_MIN_TOKENS = 16
 # K in slices) 0.999-1.002 at E=257 and 1.007-1.012 at E=33 (H200,
 # 2026-12-03, three A/B runs). choose_config takes it from this many pairs.
 TOKEN_SCALED_MIN_PAIRS = 1024
+# The 8-token e4m3 config with its stage 1 per block on Qa's codes (token_scaled
+# off, as choose_config takes it below that many pairs): built with that
+# config, so not an entry of GEMM_CONFIGS, but a form the tests and the sweep run.
+PER_BLOCK_STAGE1_CONFIGS = tuple(c._replace(token_scaled=False) for c in GEMM_CONFIGS
+                                 if c.fp8 and c.tile_tokens < FOLDED_STAGE1_MIN_TOKENS)
 # The e4m3 configs whose stage 2 takes folded intermediate rows (a pass after
 # stage 1 folds them: fold_inter_codes_kernel) where a row tile is one stage
 # (d_expert up to 256): 16 and 24 tokens. Its bound at 8 tokens, 1.6-2.2 us

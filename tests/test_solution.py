@@ -31,12 +31,6 @@ OFFICIAL_BENCHMARKS = [
     (7168, 2048, 32, 8, 1, 512, 81934)]
 
 
-# The 8-token e4m3 config with its stage 1 per block on Qa's codes (token_scaled off, as
-# choose_config takes it for small calls): not a compiled config of its own.
-PER_BLOCK_STAGE1 = [c._replace(token_scaled=False) for c in solution.GEMM_CONFIGS
-                    if c.fp8 and c.tile_tokens < solution.FOLDED_STAGE1_MIN_TOKENS]
-
-
 def small_input(dhidden=512, dexpert=256, routed=8, top_k=2, shared=1, bs=7, seed=1):
     return reference.generate_input(dhidden, dexpert, routed, top_k, shared, bs, seed)
 
@@ -414,7 +408,8 @@ def test_hidden_rows_wider_than_one_quantize_cta():
 
 @needs_cuda
 @pytest.mark.parametrize("splits,row_tiles", [(1, 1), (5, 3), (2, 8)], ids=lambda n: str(n))
-@pytest.mark.parametrize("config", [*solution.GEMM_CONFIGS, *PER_BLOCK_STAGE1], ids=lambda c: str(c).replace("/", "-"))
+@pytest.mark.parametrize("config", [*solution.GEMM_CONFIGS, *solution.PER_BLOCK_STAGE1_CONFIGS],
+                         ids=lambda c: str(c).replace("/", "-"))
 @pytest.mark.parametrize("shape", [(7168, 256, 32, 8, 1, 100, 21), (2000, 300, 8, 3, 1, 77, 22),
                                    (1024, 256, 4, 2, 1, 300, 23)], ids=str)
 def test_every_gemm_config(shape, config, splits, row_tiles):

@@ -163,8 +163,7 @@ def sweep(shapes=None) -> None:
         return times[len(times) // 2]
 
     # every compiled config, and the 8-token e4m3 one with its stage 1 per block (token_scaled off)
-    configs = [*solution.GEMM_CONFIGS, *(c._replace(token_scaled=False) for c in solution.GEMM_CONFIGS
-                                         if c.fp8 and c.tile_tokens < solution.FOLDED_STAGE1_MIN_TOKENS)]
+    configs = [*solution.GEMM_CONFIGS, *solution.PER_BLOCK_STAGE1_CONFIGS]
     width = max(len(str(c)) for c in configs) + 2
     header = f"{'shape':<28}" + "".join(f"{str(c):>{width}}" for c in configs)
     print(header + "   chosen")
