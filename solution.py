@@ -3947,6 +3947,29 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int tiles, int k_blo
     return splits_to_fill((long long)ctas_per_sm(kernel, S::kThreads, smem) * sm_count(), (long long)tiles * cta_columns,
                           (k_blocks + S::kStageBlocks - 1) / S::kStageBlocks);
 }
+// Slices of K for the wide stage 1, whose persistent CTAs take every
+// slots-th unit (tile, column group, slice): the busiest CTA streams
+// ceil(units / slots) units, each of its slice's blocks plus a start
+// (its first stages' latency, its epilogue) worth kWideUnitStartBlocks,
+// and each slice past the first costs the fix-up about kWideSliceBlocks.
+// Fitted to the sweeps of 1-8 slices (H200, 2026-12-03): 2 slices best at
+// bs=128 E=33 and d512, 1 at d2048; the wave-fill rule above took 3 at
+// bs=128 E=33 (2 slices fill 0.848 of a last wave), 3.5% slower there.
+constexpr int kWideUnitStartBlocks = 16, kWideSliceBlocks = 8;
+int wide_stage1_splits(long long slots, long long unit_columns, int k_blocks, int stage_blocks) {
+    int best = 1;
+    long long best_cost = -1;
+    for (int splits = 1; splits <= std::max(1, k_blocks / stage_blocks / 4); ++splits) {
+        // The slices stage1_slices makes: whole stages, maybe fewer of them.
+        const int blocks = ((k_blocks + splits - 1) / splits + stage_blocks - 1) / stage_blocks * stage_blocks;
+        const int slices = (k_blocks + blocks - 1) / blocks;
+        if (slices != splits) continue;
+        const long long busiest = (unit_columns * slices + slots - 1) / slots;
+        const long long cost = busiest * (blocks + kWideUnitStartBlocks) + (long long)(slices - 1) * kWideSliceBlocks;
+        if (best_cost < 0 || cost < best_cost) { best = splits; best_cost = cost; }
+    }
+    return best;
+}
 
 // Row tiles per stage-2 CTA. A CTA over several row tiles keeps the next
 // tile's stages loading while it finishes one, which short-K CTAs (a stage
@@ -4160,7 +4183,8 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     auto slices_of = [&](auto layout, auto kernel, int shared_bytes) {
         using S = decltype(layout);
         return stage1_slices(c, c.requested_splits > 0 ? c.requested_splits
-            : stage1_splits<S>(kernel, shared_bytes, c.columns1(), t.estimate, k_blocks), S::kStageBlocks);
+            : wide_stage1_splits((long long)ctas_per_sm(kernel, S::kThreads, shared_bytes) * sm_count(),
+                                 (long long)t.estimate * c.columns1(), k_blocks, S::kStageBlocks), S::kStageBlocks);
     };
     const Stage1Slices slices = folded ? slices_of(F{}, stage1_folded, kFoldedSharedBytes)
                                        : slices_of(W{}, stage1, W::kSharedBytes);
