@@ -674,9 +674,10 @@ class KernelConfig(NamedTuple):
 
 
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
-# 48 for experts of 29 to 40 tokens, both stages over the routing's second
+# 48 for experts of 29 to 45 tokens, both stages over the routing's second
 # table (at 128 tokens and 32 routed experts an expert has 32 +- 6 tokens,
-# which 64-token tiles ran half empty); 64 from 41 to 96 (stage 1 only in its
+# which 64-token tiles ran half empty; at 43.6 tokens 48 still measured 2%
+# faster, at 48 tokens 6% slower); 64 from 46 to 96 (stage 1 only in its
 # folded e4m3 form, for rows of up to 8,192 values; otherwise the config's own
 # 64-token kernel); 144 (one CTA per SM), both stages, beyond, where at 512
 # tokens and 32 routed experts an expert has 128 +- 11 tokens, which 144 cover
@@ -4570,7 +4571,7 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     where Qa can fold the activations into E4M3 bytes (e4m3 MMAs; see
     WideTraits); with more than 96 tokens per expert both stages run over
     144-token tiles, converting each weight once for that many tokens, and
-    up to 40 over 48-token tiles (bs=128 E=33: 32 +- 6 tokens per routed
+    up to 45 over 48-token tiles (bs=128 E=33: 32 +- 6 tokens per routed
     expert, which 64-token tiles ran half empty)."""
     tokens_per_expert = m * top_k / max(n_experts, 1)
     if tokens_per_expert <= 8:
@@ -4584,7 +4585,7 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
         return KernelConfig(16, 16, 16, 8, 3, wgmma, wgmma)
     if wgmma:
         return KernelConfig(64, 16, 64, 4, 4, True, False, 0,
-                            144 if tokens_per_expert > 96 else 64 if tokens_per_expert > 40 else 48)
+                            144 if tokens_per_expert > 96 else 64 if tokens_per_expert > 45 else 48)
     return KernelConfig(64, 16, 64, 4, 4, False) if d_expert <= 512 else KernelConfig(64, 32, 64, 4, 4, False)
 
 

@@ -149,7 +149,8 @@ def test_wrong_tuple_is_refused():
     # measured off the benchmark shapes, near where the chooser switches tiles
     (384, 9, 257, 256, (16, 16, 16, 8, 3, True, True)), (448, 9, 257, 256, (16, 16, 16, 8, 3, True, True)),
     (640, 9, 257, 256, (24, 16, 24, 8, 3, True, True)), (64, 9, 33, 512, (24, 16, 24, 8, 3, True, True)),
-    (96, 9, 33, 512, (32, 16, 32, 8, 3, True, True))])
+    (96, 9, 33, 512, (32, 16, 32, 8, 3, True, True)), (160, 9, 33, 512, (64, 16, 64, 4, 4, True, False, 0, 48)),
+    (176, 9, 33, 512, (64, 16, 64, 4, 4, True, False, 0, 64))])
 def test_config_chooser_picks_the_measured_best(m, top_k, experts, d_expert, expected):
     config = solution.choose_config(m, top_k, experts, d_expert, wgmma=True)
     # (token_scaled picks one of a compiled config's two stage-1 forms)
