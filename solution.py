@@ -541,9 +541,7 @@ __device__ __forceinline__ int2 block_exclusive_scan(int2 value, int2* warp_tota
 // Counts the (token, slot) pairs of each expert, writes expert_offsets[E+1],
 // the pairs sorted by expert (as each pair's token and routing weight, so
 // that a GEMM reads either with one load), and the tile table (expert, first
-// sorted row) of tiles of tile_tokens rows that both GEMM stages walk (with
-// wide_tile_tokens > 0, also a table of tiles that many rows, wide_tiles,
-// for the wide kernels). Ids
+// sorted row) of tiles of tile_tokens rows that both GEMM stages walk. Ids
 // outside [0, E) are counted in bad_ids and skipped, so no kernel ever
 // indexes out of bounds. Order within an expert is not fixed: every row of a
 // GEMM tile is computed independently of the others.
@@ -551,8 +549,7 @@ __device__ void route_pairs(
         const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
         int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
         int* __restrict__ num_tiles, int* __restrict__ sorted_tokens, float* __restrict__ sorted_weights,
-        int* __restrict__ bad_ids, int wide_tile_tokens, int2* __restrict__ wide_tiles,
-        int* __restrict__ num_wide_tiles) {
+        int* __restrict__ bad_ids) {
     extern __shared__ int shared[];
     int* counts = shared;                   // [E]
     int* cursor = shared + n_experts;       // [E]
@@ -613,18 +610,6 @@ __device__ void route_pairs(
         const int n = (counts[e] + tile_tokens - 1) / tile_tokens;
         for (int j = 0; j < n; ++j) tiles[tile_base[e] + j] = make_int2(e, cursor[e] + j * tile_tokens);
     }
-    if (wide_tile_tokens > 0) {   // the same scan, of wide tiles (the barrier above ended the first)
-        int2 wide_run = make_int2(0, 0);
-        for (int e = first; e < last; ++e) wide_run.x += (counts[e] + wide_tile_tokens - 1) / wide_tile_tokens;
-        int2 wide_total;
-        int base = block_exclusive_scan(wide_run, warp_totals, wide_total).x;
-        for (int e = first; e < last; ++e) {
-            const int n = (counts[e] + wide_tile_tokens - 1) / wide_tile_tokens;
-            for (int j = 0; j < n; ++j) wide_tiles[base + j] = make_int2(e, cursor[e] + j * wide_tile_tokens);
-            base += n;
-        }
-        if (tid == blockDim.x - 1) *num_wide_tiles = wide_total.x;
-    }
     __syncthreads();
     for (int p0 = tid; p0 < num_pairs; p0 += kPairsAhead * blockDim.x) {
         int ids[kPairsAhead];
@@ -674,8 +659,8 @@ class KernelConfig(NamedTuple):
 
 
 # Tokens per tile of the wide kernels (stage1_wide_kernel, stage2_wide_kernel):
-# 48 for experts of 29 to 45 tokens, both stages over the routing's second
-# table (at 128 tokens and 32 routed experts an expert has 32 +- 6 tokens,
+# 48 for experts of 29 to 45 tokens, both stages over tiles of that width
+# (at 128 tokens and 32 routed experts an expert has 32 +- 6 tokens,
 # which 64-token tiles ran half empty; at 43.6 tokens 48 still measured 2%
 # faster, at 48 tokens 6% slower); 64 from 46 to 96 (stage 1 only in its
 # folded e4m3 form, for rows of up to 8,192 values; otherwise the config's own
@@ -2197,9 +2182,7 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
         const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int num_pairs, int top_k,
         int n_experts, int tile_tokens, int* __restrict__ expert_offsets, int2* __restrict__ tiles,
         int* __restrict__ num_tiles, int* __restrict__ sorted_tokens, float* __restrict__ sorted_weights,
-        int* __restrict__ bad_ids, int wide_tile_tokens, int2* __restrict__ wide_tiles,
-        int* __restrict__ num_wide_tiles,
-        const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
+        int* __restrict__ bad_ids, const __nv_bfloat16* __restrict__ hidden, int d_hidden, int d_hidden_pad,
         uint8_t* __restrict__ act, float* __restrict__ act_scale, float* __restrict__ block_scale,
         float* __restrict__ accumulator, int* __restrict__ redo_tiles) {
     let_next_kernel_launch();   // a call's first kernel: launched normally, after whatever came before
@@ -2208,8 +2191,7 @@ __global__ void __launch_bounds__(kPrepareThreads) route_and_quantize_kernel(
     if (blockIdx.x == 0) {   // CTA-uniform: route_pairs' barriers see every thread
         if (blockIdx.y == 0)
             route_pairs(topk_ids, topk_weights, num_pairs, top_k, n_experts, tile_tokens, expert_offsets, tiles,
-                        num_tiles, sorted_tokens, sorted_weights, bad_ids, wide_tile_tokens, wide_tiles,
-                        num_wide_tiles);
+                        num_tiles, sorted_tokens, sorted_weights, bad_ids);
         return;
     }
     if constexpr (kFolded)
@@ -2890,8 +2872,8 @@ MOE_FOLDED_STAGE2_CONFIGS(MOE_INSTANTIATE_FOLDED_ROWS)
 #undef MOE_INSTANTIATE_STAGE2
 #define MOE_INSTANTIATE_ROUTE(FP8, FOLDED)                                                                 \
     template __global__ void route_and_quantize_kernel<FP8, FOLDED>(const int*, const float*, int, int, int, \
-        int, int*, int2*, int*, int*, float*, int*, int, int2*, int*, const __nv_bfloat16*, int, int,        \
-        uint8_t*, float*, float*, float*, int*);
+        int, int*, int2*, int*, int*, float*, int*, const __nv_bfloat16*, int, int, uint8_t*, float*, float*, \
+        float*, int*);
 #define MOE_INSTANTIATE_QA(FP8)                                                                            \
     MOE_INSTANTIATE_ROUTE(FP8, false)                                                                      \
     MOE_INSTANTIATE_SWIGLU(FP8, 1)                                                                         \
@@ -2916,7 +2898,7 @@ MOE_INSTANTIATE_ROUTE(true, true)
 # ===========================================================================
 STAGE2_WIDE_SOURCE = r"""
 namespace moe {
-// Stage 2 over wide tiles of kTokens tokens (the routing's second table),
+// Stage 2 over wide tiles of kTokens tokens (the routing's tiles),
 // for bf16 warpgroup-MMA calls with more than 28 tokens per expert: each
 // converted weight then feeds kTokens tokens of MMA work. One or two CTAs per
 // SM (WideTraits), so the
@@ -4306,9 +4288,11 @@ torch::Tensor moe_forward(
                                           && wgmma && !fp8 && stage_blocks == 4 && tile_tokens == 64),
                 "moe_mxfp4: wide tiles of ", wide_tile_tokens, " tokens: only 48, 64 or 144, with the bf16 "
                 "warpgroup-MMA config of 64-token tiles and 4-block stages");
-    // The routing's second table, of 48- or 144-token tiles; 64-token wide
-    // tiles are the config's own tiles, so the wide stage 2 then reads its table.
-    const bool wide_table = wide_tile_tokens == 48 || wide_tile_tokens == 144;
+    // The routing's one table of tiles: of the wide width where both stages
+    // run the wide kernels (48 and 144 tokens), else of the config's
+    // tile_tokens (64-token wide tiles are the config's own).
+    const int table_tokens = wide_tile_tokens == 48 || wide_tile_tokens == 144 ? (int)wide_tile_tokens
+                                                                                : (int)tile_tokens;
     for (const auto& [name, tensor] : {std::make_pair("gate_up_weight", &gate_up_weight),
                                        std::make_pair("down_weight", &down_weight),
                                        std::make_pair("gate_up_scale", &gate_up_scale),
@@ -4329,16 +4313,12 @@ torch::Tensor moe_forward(
 
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     // Tiles: at most one partial tile per expert that has any pair.
-    const int max_tiles = num_pairs / tile_tokens + std::min(n_experts, num_pairs) + 1;
-    const int max_wide_tiles = wide_table ? num_pairs / wide_tile_tokens + std::min(n_experts, num_pairs) + 1 : 0;
+    const int max_tiles = num_pairs / table_tokens + std::min(n_experts, num_pairs) + 1;
     // One allocation for the routing results; the int2 tiles go first to stay 8-byte aligned.
-    auto routing = torch::empty({2 * max_tiles + 2 * max_wide_tiles + 2 + (n_experts + 1) + 2 * num_pairs + 3},
-                                int_opts);
+    auto routing = torch::empty({2 * max_tiles + 1 + (n_experts + 1) + 2 * num_pairs + 3}, int_opts);
     int2* tiles = reinterpret_cast<int2*>(routing.data_ptr<int>());
-    int2* wide_tiles = tiles + max_tiles;
-    int* num_tiles = reinterpret_cast<int*>(wide_tiles + max_wide_tiles);
-    int* num_wide_tiles = num_tiles + 1;
-    int* expert_offsets = num_wide_tiles + 1;
+    int* num_tiles = reinterpret_cast<int*>(tiles + max_tiles);
+    int* expert_offsets = num_tiles + 1;
     int* sorted_tokens = expert_offsets + n_experts + 1;
     float* sorted_weights = reinterpret_cast<float*>(sorted_tokens + num_pairs);
     int* bad_ids = sorted_tokens + 2 * num_pairs;
@@ -4366,7 +4346,7 @@ torch::Tensor moe_forward(
     auto accumulator = torch::empty({m, d_hidden_pad}, float_opts);
 
     // What the host expects of the routing, to size grids and K slices.
-    const int tiles_estimate = estimated_tiles(num_pairs, n_experts, (int)tile_tokens);
+    const int tiles_estimate = estimated_tiles(num_pairs, n_experts, table_tokens);
     const int wide_tiles_estimate = wide_tile_tokens > 0
         ? (int)std::lround(expected_tiles(m, top_k, n_experts, (int)n_shared_experts, (int)wide_tile_tokens)) : 0;
 
@@ -4379,10 +4359,8 @@ torch::Tensor moe_forward(
     allow_shared_memory(route_and_quantize, 3 * kMaxExperts * (int)sizeof(int));
     route_and_quantize<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns), kPrepareThreads,
                          route_smem, stream>>>(
-        topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, (int)tile_tokens,
-        expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids,
-        wide_table ? (int)wide_tile_tokens : 0, wide_tiles, num_wide_tiles,
-        bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), folded ? act.token_scales() : act.scales(),
+        topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, table_tokens,
+        expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids, bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), folded ? act.token_scales() : act.scales(),
         folded && fp8 ? act.scales() : nullptr, accumulator.data_ptr<float>(),
         redo_tiles);
     MOE_CUDA_CHECK(cudaGetLastError());
@@ -4395,12 +4373,11 @@ torch::Tensor moe_forward(
                        folded_stage2 ? folded_weights.data_ptr<float>() : nullptr,
                        folded_rows ? inter_factor.data_ptr<float>() : nullptr};
     const TileTable narrow{tiles, num_tiles, max_tiles, tiles_estimate};
-    const TileTable wide = wide_table ? TileTable{wide_tiles, num_wide_tiles, max_wide_tiles, wide_tiles_estimate}
-                                          : TileTable{tiles, num_tiles, max_tiles, wide_tiles_estimate};
+    const TileTable wide{tiles, num_tiles, max_tiles, wide_tiles_estimate};
     // 64-token wide tiles: the folded wide stage 1 where Qa folds the
     // activations, else the config's own 64-token kernel, over the same
     // tiles (see WideTraits); stage 2 in the wide kernel. 48 and 144: both
-    // stages in the wide kernels, over the second table.
+    // stages in the wide kernels.
 #define MOE_LAUNCH_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     if (MOE_IS(NT, MT, WT, SB, STAGES, WG, FP8, MT2)) launch_stage1<NT, MT, WT, SB, STAGES, WG, FP8>(call, narrow);
 #define MOE_LAUNCH_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
