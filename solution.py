@@ -1338,7 +1338,7 @@ __device__ __forceinline__ int gate_up_box_row(int r) {
 // act): its activations too (act_map). Weight scales, and other
 // activations, stay cp.async.
 template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kActTma,
-          bool kFoldedBytes, typename WeightRowOf, typename ActRowOf, typename TileDone>
+          bool kFoldedBytes, bool kRowTileLoop, typename WeightRowOf, typename ActRowOf, typename TileDone>
 __device__ __forceinline__ bool gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
@@ -1929,7 +1929,7 @@ __device__ __forceinline__ bool gemm_mainloop(
         }
         compute_stage(s % kRing, wide, s == 0);
         if constexpr (kMbarriers) mbarrier_arrive(&empty[s % kRing]);   // compute_blocks_fp8 waited for its MMAs
-        if constexpr (S::kRowTiles)
+        if constexpr (kRowTileLoop)
             if (++stage_in_tile == tile_stages && s + 1 < n_stages) {   // a row tile done, and more to come
                 tile_done(acc, tile++);
                 zero_acc();
@@ -2396,6 +2396,10 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     let_next_kernel_launch();
     Tile tile;
     if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
+    // Opaque to ptxas: otherwise it carried the expert's end offset across K
+    // to rederive the row count in the epilogue, a spill at the 24-token
+    // kernels' 128-register cap.
+    asm volatile("" : "+r"(tile.rows));
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int col0 = blockIdx.y * kStage1Columns;
     // (The e4m3 kernels' expressions as they were: the 24-token kernel, at
@@ -2440,9 +2444,14 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         // columns and then their up rows, d_expert_pad map rows later.
         const WeightBoxes boxes = {&weight_map, (int)(tile.expert * expert_rows) + col0, d_expert_pad,
                                    first_block * 16};
+        // The slice's first activation byte, derived afresh in each pass
+        // (opaque): kept from the first, it was spilled across K at the
+        // 24-token kernels' 128-register cap.
+        int act_offset = first_block * kScaleBlock * S::kActValueBytes;
+        asm volatile("" : "+r"(act_offset));
         return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kStage1WeightBoxes,
-                             false, kFoldedWeights>(
-            acc, smem, weight, scale, weight_row_of, act + first_block * kScaleBlock * S::kActValueBytes,
+                             false, kFoldedWeights, false>(
+            acc, smem, weight, scale, weight_row_of, act + act_offset,
             act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0, nullptr,
             [](float (&)[MT][WT][4], int) {});
     };
@@ -2809,7 +2818,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     float acc[MT][WT][4];
     const WeightBoxes boxes = {&weight_map, tile.expert * d_hidden_pad + row0, 0, 0};
     constexpr ScalePath kPath = kFoldedRows ? ScalePath::kVoteTokenScaled : ScalePath::kVote;
-    gemm_mainloop<S, kStage2Ring<S>, false, kPath, S::kStage2WeightBoxes, S::kStage2ActTma, false>(
+    gemm_mainloop<S, kStage2Ring<S>, false, kPath, S::kStage2WeightBoxes, S::kStage2ActTma, false, S::kRowTiles>(
         acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, boxes, &inter_map, d_expert_pad,
         k_blocks, cta_tiles, kRows, tile_factor, add_tile);
     add_tile(acc, cta_tiles - 1);
