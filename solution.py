@@ -323,6 +323,17 @@ MOE_HD void folded_e4m3_table(int d, uint32_t& lo, uint32_t& hi) {
     lo = 0x3C383000u + (uint32_t)d * 0x08080800u;
     hi = 0x4C484440u + (uint32_t)d * 0x08080808u;
 }
+// The fold's window test of four scale bytes at once: bit 7 of byte i set
+// where byte i lies outside [s, s + kFoldMaxShift - kFoldTableMinShift],
+// s being each byte of window_starts (the window's start in all four), all
+// taken mod 256: a bytewise subtraction without borrows, then a bytewise
+// "above 11". As FoldedRows::fold_checked's test where s <= 255 - 11 (no
+// window wraps).
+MOE_HD uint32_t scale_bytes_outside_window(uint32_t four_scales, uint32_t window_starts) {
+    constexpr uint32_t kHigh = 0x80808080u, kWidth = kFoldMaxShift - kFoldTableMinShift + 1;
+    const uint32_t d = ((four_scales | kHigh) - (window_starts & ~kHigh)) ^ ((four_scales ^ ~window_starts) & kHigh);
+    return (((d & ~kHigh) + (0x80u - kWidth) * 0x01010101u) | d) & kHigh;
+}
 // A word of eight fp4 codes (low nibble first) through that table: values
 // 0-3 as the bytes of .x, values 4-7 of .y. A byte permute picks the
 // magnitudes; a second one gathers the signs (bit 3 of each nibble): code
@@ -1302,16 +1313,21 @@ struct FoldedRows {
         }
     }
     // Row g + 8h's block as folded E4M3 bytes (see fp4_word_to_folded_e4m3),
-    // its scale byte being byte `block` (0-3) of four_scales; outside is set
-    // when the block lies outside the fold's window and its codes are not
-    // all zero (zero codes, as in K's zero-filled tail, fold to zero at any
-    // shift).
-    __device__ __forceinline__ uint2 fold(int h, uint32_t word, uint32_t four_scales, int block,
-                                          bool& outside) const {
+    // its scale byte being byte `block` (0-3) of four_scales, with no window
+    // test (gemm_mainloop tests its rows' scale bytes apart).
+    __device__ __forceinline__ uint2 fold(int h, uint32_t word, uint32_t four_scales, int block) const {
+        // folded_e4m3_table(scale - base): linear in its shift.
+        const uint32_t scale = byte_perm(four_scales, 0u, 0x4440u | block);
+        return fp4_word_to_folded_e4m3(word, lo_at_zero[h] + scale * 0x08080800u, hi_at_zero[h] + scale * 0x08080808u);
+    }
+    // fold, with outside set when the block lies outside the fold's window
+    // and its codes are not all zero (zero codes, as in K's zero-filled
+    // tail, fold to zero at any shift).
+    __device__ __forceinline__ uint2 fold_checked(int h, uint32_t word, uint32_t four_scales, int block,
+                                                  bool& outside) const {
         const uint32_t scale = byte_perm(four_scales, 0u, 0x4440u | block);
         outside |= scale - window_start[h] > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
                    && (word & 0x77777777u) != 0u;
-        // folded_e4m3_table(scale - base): linear in its shift.
         return fp4_word_to_folded_e4m3(word, lo_at_zero[h] + scale * 0x08080800u, hi_at_zero[h] + scale * 0x08080808u);
     }
     // 2^(base - 127): row g + 8h's sums times it after K give their values.
@@ -1353,6 +1369,7 @@ __device__ __forceinline__ bool gemm_mainloop(
     static_assert((kPath != ScalePath::kTokenScaled && kPath != ScalePath::kVoteTokenScaled)
                   || (S::kFp8 && !kFoldedBytes), "the token-scaled pass: e4m3 configs on bytes in the per-block order");
     constexpr bool kVoting = kPath == ScalePath::kVote || kPath == ScalePath::kVoteTokenScaled;
+    static_assert(kPath != ScalePath::kFolded || !kRowTileLoop, "kFolded's window test: one row tile");
     // The passes that read the activations' block scales (the folded ones
     // apply the tokens' scales after K, in stage1_kernel).
     constexpr bool kActScales = kPath != ScalePath::kFolded && kPath != ScalePath::kTokenScaled;
@@ -1522,10 +1539,24 @@ __device__ __forceinline__ bool gemm_mainloop(
     // kNarrowChecked, kTokenScaled: set by any thread that loaded a scale
     // byte above its limit (shared memory, not a register live across K: the
     // 32-token stage 1 is at its register cap); kFolded: by any thread whose
-    // outside_window is set at the end (a NaN scale byte, or rows that left
-    // their window).
+    // outside_window is set at the end (its row left its window: a NaN scale
+    // byte among them).
     __shared__ int saw_wide_scale;
     bool outside_window = false;
+    // kFolded: the threads test each stage's scale bytes, row by row,
+    // against each row's window (row_window: its start in each byte, from
+    // the row's first block), thread tid a share of local weight row tid %
+    // kRows (kRowCheckWords of its SB / 4 scale words), ORing the bytes
+    // found outside into row_outside: the test per converted word, in every
+    // thread of the quad that shares the row, took 2.5 of each word's 15
+    // instructions, and the NaN test of four scale words 12 a stage, in the
+    // 24-token stage 1's 405 a stage. So a block of zero codes outside the
+    // window, which would fold to zero at any shift, sends the CTA to the
+    // per-block pass too, K's zero-filled tail aside.
+    constexpr int kRowCheckWords = S::kThreads >= kRows ? SB / 4 / (S::kThreads / kRows) : 1;
+    static_assert(kPath != ScalePath::kFolded || (S::kThreads % kRows == 0 && kRowCheckWords >= 1
+                  && kRowCheckWords * (S::kThreads / kRows) == SB / 4), "kFolded's window test: each word once");
+    uint32_t row_window = 0, row_outside = 0;
     constexpr bool kChecked = kPath == ScalePath::kNarrowChecked || kPath == ScalePath::kTokenScaled
                            || kPath == ScalePath::kFolded;
     if (kChecked && tid == 0) saw_wide_scale = 0;   // before the first stage's barrier
@@ -1540,7 +1571,7 @@ __device__ __forceinline__ bool gemm_mainloop(
             ldmatrix_x4(words[mt], w_s + S::weight_offset(weight_smem_row(first_row + mt * S::kMTileStride
                                                                           + (lane & 15)), bp + (lane >> 4)));
     };
-    auto load_stage_fragments = [&](int slot) {
+    auto load_stage_fragments = [&](int slot, int s) {
         const uint8_t* ws_s = stage_base(slot) + S::kScaleOffset;
         const int g = lane >> 2;
 #pragma unroll
@@ -1553,12 +1584,9 @@ __device__ __forceinline__ bool gemm_mainloop(
                         ws_s + (first_row + mt * S::kMTileStride + g + 8 * h) * SB + 4 * i);
         // The checked passes' scale test (the warps' rows g, g+8 cover all of
         // the CTA's): kNarrowChecked, any byte above kNarrowLimit;
-        // kTokenScaled, above kTokenScaledNarrowScale; kFolded, any of 255
-        // (NaN), which makes its whole block NaN, zero codes included, where
-        // the fold's window test lets zero codes pass.
-        if constexpr (kChecked) {
-            constexpr uint32_t kLimit = kPath == ScalePath::kFolded ? 254u
-                                      : kPath == ScalePath::kTokenScaled ? kTokenScaledNarrowScale : kNarrowLimit;
+        // kTokenScaled, above kTokenScaledNarrowScale.
+        if constexpr (kPath == ScalePath::kNarrowChecked || kPath == ScalePath::kTokenScaled) {
+            constexpr uint32_t kLimit = kPath == ScalePath::kTokenScaled ? kTokenScaledNarrowScale : kNarrowLimit;
             uint32_t above = 0;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -1566,10 +1594,33 @@ __device__ __forceinline__ bool gemm_mainloop(
                 for (int h = 0; h < 2; ++h)
 #pragma unroll
                     for (int i = 0; i < SB / 4; ++i) above |= scale_bytes_above(scales[mt][h][i], kLimit);
-            if constexpr (kPath == ScalePath::kFolded)
-                outside_window |= (above & 0x80808080u) != 0u;
-            else if ((above & 0x80808080u) != 0u)
-                saw_wide_scale = 1;
+            if ((above & 0x80808080u) != 0u) saw_wide_scale = 1;
+        }
+        // kFolded: this thread's share of row tid % kRows's window test. A
+        // window that would start below 0 (a first scale byte under 5) is
+        // not tested: the row goes to the per-block pass. Bytes past K's
+        // last block (zero-filled) are tested as the window's start. (Stage
+        // 1 has one row tile: stage s starts at block s * SB of the CTA's
+        // slice.)
+        if constexpr (kPath == ScalePath::kFolded) {
+            const uint8_t* row_scales = ws_s + (tid % kRows) * SB;
+            if (s == 0) {
+                const int start = (int)row_scales[0] + kFoldTableMinShift;
+                row_window = (uint32_t)start * 0x01010101u;
+                if (start < 0) row_outside = 0x80u;
+            }
+            const int valid = k_blocks - s * SB;
+#pragma unroll
+            for (int j = 0; j < kRowCheckWords; ++j) {
+                const int i = tid / kRows * kRowCheckWords + j;   // the row's scale word i
+                uint32_t word = *reinterpret_cast<const uint32_t*>(row_scales + 4 * i);
+                if (valid < SB) {   // the tail stage (CTA-uniform)
+                    const int bytes = min(max(valid - 4 * i, 0), 4);
+                    const uint32_t kept = bytes == 4 ? 0xFFFFFFFFu : (1u << (8 * bytes)) - 1u;
+                    word = (word & kept) | (row_window & ~kept);
+                }
+                row_outside |= scale_bytes_outside_window(word, row_window);
+            }
         }
         load_weight_words(w, stage_base(slot) + S::kWeightOffset, 0);
     };
@@ -1775,7 +1826,7 @@ __device__ __forceinline__ bool gemm_mainloop(
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], scales[mt][h][block / 4],
-                                                                 block % 4, outside_window);
+                                                                 block % 4);
                         a[mt][h] = bytes.x;       // k 4t..4t+3 of row g + 8h
                         a[mt][2 + h] = bytes.y;   // k 16+4t..16+4t+3
                     }
@@ -1915,7 +1966,7 @@ __device__ __forceinline__ bool gemm_mainloop(
             // (ptxas C7520).
             wide = __any_sync(0xFFFFFFFFu, __syncthreads_or(wide));
         }
-        load_stage_fragments(s % kRing);
+        load_stage_fragments(s % kRing, s);
         const int next = s + kAhead;
         if constexpr (kMbarriers) {
             if (next < n_stages) {
@@ -1944,7 +1995,7 @@ __device__ __forceinline__ bool gemm_mainloop(
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) outside_window |= folded_rows[mt].base[h] > kFp8NarrowScale;
-        if (outside_window) saw_wide_scale = 1;
+        if (outside_window || row_outside != 0u) saw_wide_scale = 1;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -3149,7 +3200,7 @@ __device__ __forceinline__ void wide_compute_stage_folded(
         uint32_t a[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint2 bytes = rows.fold(h, words[h], scales[h][block / 4], block % 4, outside[h]);
+            const uint2 bytes = rows.fold_checked(h, words[h], scales[h][block / 4], block % 4, outside[h]);
             a[h] = bytes.x;       // k 4t..4t+3 of row g + 8h
             a[2 + h] = bytes.y;   // k 16+4t..16+4t+3
         }

@@ -556,6 +556,30 @@ def test_folded_stage1_in_and_past_its_window(shift, config):
 
 
 @needs_cuda
+@pytest.mark.parametrize("config", FOLDED_STAGE1, ids=config_id)
+def test_folded_stage1_tests_the_window_in_the_k_tail(config):
+    """d_hidden 1,056 is 33 scale blocks: the last stage of 8 holds one
+    block, whose scale bytes the plain folded stage 1 tests with the rest
+    masked (they are zero-filled). Here that block of 40 rows sits 9
+    binades above the rows' first block, outside the window: a test that
+    skipped it, or masked too much, would fold it at a shift the table
+    does not hold."""
+    data = reference.generate_input(1056, 512, 16, 4, 1, 64, 57)
+    d_expert_pad = data[11]["d_expert_pad"]
+    rows = torch.randint(0, data[3].shape[0], (40,), generator=torch.Generator().manual_seed(43))
+    scales = data[3].view(torch.uint8).cpu().clone()
+    flat = scales.reshape(-1, scales.shape[-1])
+    flat[rows, 32] = (flat[rows, 0].to(torch.int32) + 9).clamp(max=240).to(torch.uint8)
+    weights = data[1].view(torch.uint8).cpu().clone().reshape(-1, data[1].shape[-1])
+    weights[rows, 16 * 32:16 * 33] = 0x35   # codes of 1.5 and 3: nonzero in every word
+    assert data[1].shape[0] * 2 * d_expert_pad == flat.shape[0]
+    data = with_replaced(with_replaced(data, 1, weights.reshape(data[1].shape).to(data[1].device).view(data[1].dtype)),
+                         3, scales.to(data[3].device).view(data[3].dtype))
+    module = solution._backend(torch.device("cuda"))[1]
+    run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
+
+
+@needs_cuda
 def test_token_scaled_stage1_takes_the_per_block_pass_above_its_limit():
     """The 8-token e4m3 stage 1 adds each block's sum P times 2^(s - 121)
     in its tokens' units, so a weight scale byte s above 224 must send the
@@ -1158,6 +1182,8 @@ int main() {
         else if (!strcmp(kind, "shifted")) out = moe::e2m1_to_e4m3_shifted(x & 15u, (int)(x >> 4) - 8);
         else if (!strcmp(kind, "foldposition")) out = moe::folded_act_position((int)x);
         else if (!strncmp(kind, "codesshift", 10)) out = moe::e4m3_codes_shifted(x, atoi(kind + 10));
+        else if (!strncmp(kind, "outside", 7))   // outside<start>: the window test of four scale bytes
+            out = moe::scale_bytes_outside_window(x, (unsigned)atoi(kind + 7) * 0x01010101u);
         else if (!strcmp(kind, "perblockeven") || !strcmp(kind, "perblockodd")) {
             const uint2 bytes = moe::folded_to_per_block_order(
                 moe::fp4_word_to_folded_e4m3(x, moe::kE4m3CodesLo, moe::kE4m3CodesHi));
@@ -1511,6 +1537,24 @@ def test_scales_above_the_fp8_narrow_limit_are_detected(helpers):
     words += [byte << (8 * i) | 0x80 << (8 * ((i + 1) % 4)) for byte in range(256) for i in range(4)]
     expected = [int(any((w >> (8 * i)) & 0xFF > 242 for i in range(4))) for w in words]
     assert helpers("above242", words) == expected
+
+
+def test_scale_bytes_outside_the_fold_window_are_flagged(helpers):
+    # gemm_mainloop's kFolded window test, four bytes at a time: byte i's
+    # bit 7 where it lies outside [start, start + 11], as fold_checked tests
+    # one byte, for every start whose window does not wrap (the rows whose
+    # would are sent to the per-block pass before any test).
+    rng = random.Random(10)
+    width = (int(re.search(r"kFoldMaxShift = (-?\d+)", solution.KERNEL_SOURCE).group(1))
+             - int(re.search(r"kFoldTableMinShift = (-?\d+)", solution.KERNEL_SOURCE).group(1)))
+    assert width == 11
+    for start in [0, 1, 5, 100, 121, 127, 200, 243, 255 - width]:
+        near = [(start + d) % 256 for d in range(-3, width + 4)] + [0, 255]
+        words = [sum(rng.choice(near) << (8 * i) for i in range(4)) for _ in range(300)]
+        words += [byte << (8 * i) | start << (8 * ((i + 1) % 4)) for byte in range(256) for i in range(4)]
+        expected = [sum(0x80 << (8 * i) for i in range(4) if not start <= (w >> (8 * i)) & 0xFF <= start + width)
+                    for w in words]
+        assert helpers(f"outside{start}", words) == expected, start
 
 
 def test_qa_exponent_matches_the_reference(helpers):

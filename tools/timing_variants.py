@@ -125,7 +125,7 @@ VARIANTS = {
            "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h][0];"))]),
     "wide_folded_no_convert": (
         "the folded wide consumers (stage 1 at 64 and 144 tokens, stage 2 at 144) give their e4m3 MMAs the raw "
-        "fp4 words and their scale words (no fold through the tables, no window test): what the conversion "
+        "fp4 words and their scale words (no fold through the tables, no window test per word): what the conversion "
         "chain between a block's ldmatrix and its MMA costs",
         [(("            const uint2 bytes = rows.fold(h, words[h], byte_perm(scales[h], 0u, 0x4440u | block), "
            "outside[h]);",
@@ -133,16 +133,24 @@ VARIANTS = {
           ("            const uint2 bytes = rows.fold(h, words[h], scales[h], block, outside[h]);",
            "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),
           ("            const uint2 bytes = rows.fold(h, words[h], scales[h][block / 4], block % 4, outside[h]);",
+           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h][block / 4]);"),
+          ("            const uint2 bytes = rows.fold_checked(h, words[h], scales[h][block / 4], block % 4, "
+           "outside[h]);",
            "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h][block / 4]);"))]),
     "plain_folded_no_convert": (
         "the plain e4m3 stage 1's folded pass (16 to 32 tokens) gives its MMAs the raw fp4 words and their "
-        "scale words (no fold through the tables, no window test): what the conversion costs that kernel",
+        "scale words (no fold through the tables, no window test per word): what the conversion costs that kernel",
         [(("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], scale, "
            "outside_window);",
            "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h] ^ scale);"),
           ("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], "
            "scales[mt][h][block / 4],\n"
            "                                                                 block % 4, outside_window);",
+           "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h]\n"
+           "                                                       ^ scales[mt][h][block / 4]);"),
+          ("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], "
+           "scales[mt][h][block / 4],\n"
+           "                                                                 block % 4);",
            "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h]\n"
            "                                                       ^ scales[mt][h][block / 4]);"))]),
     "plain_e4m3_no_convert": (
