@@ -4420,9 +4420,9 @@ torch::Tensor moe_forward(
     route_and_quantize<<<dim3(m + 1, (d_hidden_pad + kPrepareColumns - 1) / kPrepareColumns), kPrepareThreads,
                          route_smem, stream>>>(
         topk_ids.data_ptr<int>(), topk_weights.data_ptr<float>(), num_pairs, top_k, n_experts, table_tokens,
-        expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids, bf16_ptr(hidden_states), (int)d_hidden, d_hidden_pad, act.bytes(), folded ? act.token_scales() : act.scales(),
-        folded && fp8 ? act.scales() : nullptr, accumulator.data_ptr<float>(),
-        redo_tiles);
+        expert_offsets, tiles, num_tiles, sorted_tokens, sorted_weights, bad_ids, bf16_ptr(hidden_states),
+        (int)d_hidden, d_hidden_pad, act.bytes(), folded ? act.token_scales() : act.scales(),
+        folded && fp8 ? act.scales() : nullptr, accumulator.data_ptr<float>(), redo_tiles);
     MOE_CUDA_CHECK(cudaGetLastError());
 
     const MoeCall call{stream, num_pairs, n_experts, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,
