@@ -1352,7 +1352,10 @@ __device__ __forceinline__ int gate_up_box_row(int r) {
 // copies; with 2 boxes the local rows are gate_up_box_row's, while each box
 // lands whole. kActTma (bf16 stage 2, a tile's activations consecutive rows of
 // act): its activations too (act_map). Weight scales, and other
-// activations, stay cp.async.
+// activations, stay cp.async. kRowTileLoop: the CTA may take several row
+// tiles (stage 2 where S::kRowTiles); stage 1 takes one, and with the loop
+// compiled in anyway ptxas kept its accumulator reset as a select of every
+// accumulator in each stage (12 FSEL of the 24-token stage's 421).
 template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kActTma,
           bool kFoldedBytes, bool kRowTileLoop, typename WeightRowOf, typename ActRowOf, typename TileDone>
 __device__ __forceinline__ bool gemm_mainloop(
