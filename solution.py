@@ -4002,12 +4002,17 @@ int stage1_splits(Kernel kernel, int smem, int cta_columns, int tiles, int k_blo
 // bs=128 E=33 and d512, 1 at d2048; the wave-fill rule above took 3 at
 // bs=128 E=33 (2 slices fill 0.848 of a last wave), 3.5% slower there.
 constexpr int kWideUnitStartBlocks = 16, kWideSliceBlocks = 8;
+// Blocks per slice when stage 1's K is cut into `splits` slices of whole
+// stages: rounding up to whole stages may leave fewer, fuller slices.
+int whole_stage_slice_blocks(int k_blocks, int splits, int stage_blocks) {
+    return ((k_blocks + splits - 1) / splits + stage_blocks - 1) / stage_blocks * stage_blocks;
+}
 int wide_stage1_splits(long long slots, long long unit_columns, int k_blocks, int stage_blocks) {
     int best = 1;
     long long best_cost = -1;
     for (int splits = 1; splits <= std::max(1, k_blocks / stage_blocks / 4); ++splits) {
         // The slices stage1_slices makes: whole stages, maybe fewer of them.
-        const int blocks = ((k_blocks + splits - 1) / splits + stage_blocks - 1) / stage_blocks * stage_blocks;
+        const int blocks = whole_stage_slice_blocks(k_blocks, splits, stage_blocks);
         const int slices = (k_blocks + blocks - 1) / blocks;
         if (slices != splits) continue;
         const long long busiest = (unit_columns * slices + slots - 1) / slots;
@@ -4086,9 +4091,7 @@ struct Stage1Slices {
     }
 };
 Stage1Slices stage1_slices(const MoeCall& c, int splits, int stage_blocks) {
-    const int k_blocks = c.k_blocks1();
-    // Rounding up to whole stages may leave fewer, fuller slices.
-    const int blocks = ((k_blocks + splits - 1) / splits + stage_blocks - 1) / stage_blocks * stage_blocks;
+    const int k_blocks = c.k_blocks1(), blocks = whole_stage_slice_blocks(k_blocks, splits, stage_blocks);
     return Stage1Slices(c, blocks, (k_blocks + blocks - 1) / blocks);
 }
 // The plain stage 1's slices (stage1_kernel): as many as asked that halve
