@@ -1556,7 +1556,7 @@ __device__ __forceinline__ bool gemm_mainloop(
     // 24-token stage 1's 405 a stage. So a block of zero codes outside the
     // window, which would fold to zero at any shift, sends the CTA to the
     // per-block pass too, K's zero-filled tail aside.
-    constexpr int kRowCheckWords = S::kThreads >= kRows ? SB / 4 / (S::kThreads / kRows) : 1;
+    constexpr int kRowCheckWords = SB / 4 / (S::kThreads / kRows);   // (GemmShape: kThreads >= kRows)
     static_assert(kPath != ScalePath::kFolded || (S::kThreads % kRows == 0 && kRowCheckWords >= 1
                   && kRowCheckWords * (S::kThreads / kRows) == SB / 4), "kFolded's window test: each word once");
     uint32_t row_window = 0, row_outside = 0;
