@@ -526,13 +526,14 @@ def with_gate_up_block(data, expert, row, block, code_byte, scale_byte, scales=N
     return with_replaced(with_replaced(data, 1, weights.view(data[1].dtype)), 3, scales.view(data[3].dtype))
 
 
-def with_first_block_scales_moved(data, rows, shift, index=3):
-    """data with the first scale block of the given weight rows of scale
-    tensor `index` (3: gate/up, 4: down) moved by `shift` binades (so the
-    rows' other blocks sit -shift from it)."""
+def with_first_block_scales_moved(data, rows, shift, index=3, block=0):
+    """data with scale block `block` (default the first) of the given weight
+    rows of scale tensor `index` (3: gate/up, 4: down) moved by `shift`
+    binades (for the first block: so the rows' other blocks sit -shift
+    from it)."""
     scales = data[index].view(torch.uint8).cpu().clone()
     flat = scales.reshape(-1, scales.shape[-1])
-    flat[rows, 0] = (flat[rows, 0].to(torch.int32) + shift).clamp(1, 254).to(torch.uint8)
+    flat[rows, block] = (flat[rows, block].to(torch.int32) + shift).clamp(1, 254).to(torch.uint8)
     return with_replaced(data, index, scales.to(data[index].device).view(data[index].dtype))
 
 
@@ -560,21 +561,18 @@ def test_folded_stage1_in_and_past_its_window(shift, config):
 def test_folded_stage1_tests_the_window_in_the_k_tail(config):
     """d_hidden 1,056 is 33 scale blocks: the last stage of 8 holds one
     block, whose scale bytes the plain folded stage 1 tests with the rest
-    masked (they are zero-filled). Here that block of 40 rows sits 9
-    binades above the rows' first block, outside the window: a test that
-    skipped it, or masked too much, would fold it at a shift the table
-    does not hold."""
+    masked (they are zero-filled). Here that block of 40 rows moves 9
+    binades up, 8 or more above the rows' first block of the slice and
+    outside the window: a test that skipped it, or masked too much, would
+    fold it at a shift the table does not hold."""
     data = reference.generate_input(1056, 512, 16, 4, 1, 64, 57)
     d_expert_pad = data[11]["d_expert_pad"]
     rows = torch.randint(0, data[3].shape[0], (40,), generator=torch.Generator().manual_seed(43))
-    scales = data[3].view(torch.uint8).cpu().clone()
-    flat = scales.reshape(-1, scales.shape[-1])
-    flat[rows, 32] = (flat[rows, 0].to(torch.int32) + 9).clamp(max=240).to(torch.uint8)
     weights = data[1].view(torch.uint8).cpu().clone().reshape(-1, data[1].shape[-1])
     weights[rows, 16 * 32:16 * 33] = 0x35   # codes of 1.5 and 3: nonzero in every word
-    assert data[1].shape[0] * 2 * d_expert_pad == flat.shape[0]
-    data = with_replaced(with_replaced(data, 1, weights.reshape(data[1].shape).to(data[1].device).view(data[1].dtype)),
-                         3, scales.to(data[3].device).view(data[3].dtype))
+    assert data[1].shape[0] * 2 * d_expert_pad == data[3].shape[0]
+    data = with_replaced(data, 1, weights.reshape(data[1].shape).to(data[1].device).view(data[1].dtype))
+    data = with_first_block_scales_moved(data, rows, 9, block=32)
     module = solution._backend(torch.device("cuda"))[1]
     run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
 
