@@ -14,6 +14,11 @@ events around it, launch hidden behind a spin, as eval.py does):
 
     python tools/flush_modes.py [N ...]     benchmark shapes N (0-6; default all),
                                             modes interleaved call by call
+    python tools/flush_modes.py --versions A.py B.py [--] [N ...]
+                                            each version of solution.py timed so too,
+                                            versions and modes interleaved (e.g. .ab/base.py
+                                            and this checkout's, for a change that aims at
+                                            the gap)
 
 The table gives each mode's median us and its difference to `write`: write -
 clean bounds what the writes-back of the flush's lines cost the call, write -
@@ -28,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import eval as harness  # noqa: E402
 import solution  # noqa: E402
-from ab_bench import benchmark_inputs, selected_shapes  # noqa: E402
+from ab_bench import benchmark_inputs, load, selected_shapes  # noqa: E402
 
 MODES = ("write", "clean", "touch", "read")
 CLEAN_BYTES = 256 << 20
@@ -53,12 +58,13 @@ def touch(tensors) -> torch.Tensor:
     return total
 
 
-def time_modes(data, timer: harness.CudaTimer, clean_buffer: torch.Tensor) -> dict:
+def time_modes(kernels: list, data, timer: harness.CudaTimer, clean_buffer: torch.Tensor) -> list:
+    """Median us per mode of each kernel in `kernels`."""
     spin_cycles = int(timer.spin_ns * timer._cycles_per_ns)
     tensors = weight_tensors(data)
-    times = {mode: [] for mode in MODES}
+    times = [{mode: [] for mode in MODES} for _ in kernels]
     for _ in range(CALLS):
-        for mode in MODES:
+        for mode, (version, kernel) in ((m, v) for m in MODES for v in enumerate(kernels)):
             torch.cuda.synchronize()
             if mode == "read":
                 timer._flush.sum()
@@ -70,24 +76,34 @@ def time_modes(data, timer: harness.CudaTimer, clean_buffer: torch.Tensor) -> di
                 touch(tensors)
             torch.cuda._sleep(spin_cycles)
             timer._start.record()
-            solution.custom_kernel(data)
+            kernel(data)
             timer._end.record()
             torch.cuda.synchronize()
-            times[mode].append(timer._start.elapsed_time(timer._end) * 1e3)
-    return {mode: statistics.median(values) for mode, values in times.items()}
+            times[version][mode].append(timer._start.elapsed_time(timer._end) * 1e3)
+    return [{mode: statistics.median(values) for mode, values in t.items()} for t in times]
 
 
 def main(argv) -> int:
+    paths = []
+    if argv[:1] == ["--versions"]:
+        argv = argv[1:]
+        while argv and argv[0].endswith(".py"):
+            paths.append(argv.pop(0))
+        argv = argv[1:] if argv[:1] == ["--"] else argv
+    kernels = [load(path, f"version{i}").custom_kernel for i, path in enumerate(paths)] or [solution.custom_kernel]
+    names = paths or ["solution.py"]
     timer = harness.cuda_timer()
     clean_buffer = torch.ones(CLEAN_BYTES // 4, dtype=torch.int32, device="cuda")
     print(f"median us of {CALLS} calls per mode, modes interleaved; diff: mode - write")
-    print(f"{'shape':28s}" + "".join(f"{m:>9s}" for m in MODES) + "".join(f"{'d ' + m:>10s}" for m in MODES[1:]))
+    print(f"{'shape':28s}{'version':>24s}" + "".join(f"{m:>9s}" for m in MODES)
+          + "".join(f"{'d ' + m:>10s}" for m in MODES[1:]))
     for label, data in benchmark_inputs(selected_shapes(" ".join(argv))):
-        solution.custom_kernel(data)
-        timer.hide_host_cost(harness.host_call_ns(solution.custom_kernel, data))
-        us = time_modes(data, timer, clean_buffer)
-        print(f"{label:28s}" + "".join(f"{us[m]:9.1f}" for m in MODES)
-              + "".join(f"{us[m] - us['write']:10.1f}" for m in MODES[1:]), flush=True)
+        for kernel in kernels:
+            kernel(data)
+        timer.hide_host_cost(max(harness.host_call_ns(kernel, data) for kernel in kernels))
+        for name, us in zip(names, time_modes(kernels, data, timer, clean_buffer)):
+            print(f"{label:28s}{name[-24:]:>24s}" + "".join(f"{us[m]:9.1f}" for m in MODES)
+                  + "".join(f"{us[m] - us['write']:10.1f}" for m in MODES[1:]), flush=True)
     return 0
 
 
