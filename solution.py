@@ -1060,6 +1060,25 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int
     __trap();
 #endif
 }
+// tma_load_2d for the wide kernels' weights, with an L2 evict-first
+// policy: their lines are the first to go when the L2 needs room. The call
+// took 0.988 of its time at bs=128 E=33, 0.996 at d512 and 0.995 at d2048
+// (stage 1's loads gave the first two, stage 2's the third; H200,
+// 2026-12-04). The narrow kernels keep plain loads: there the policy gained
+// nothing at 16 tokens and cost bs=128 E=257 2.4%, whose shared expert's 16
+// tiles each read its weights again.
+__device__ __forceinline__ void tma_load_weights_2d(void* dst, const TensorMap* map, int x, int y,
+                                                    uint64_t* barrier) {
+#ifdef MOE_HAS_WGMMA
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+                 "[%0], [%1, {%2, %3}], [%4], %5;\n"
+                 :: "r"(smem_addr(dst)), "l"(map), "r"(x), "r"(y), "r"(smem_addr(barrier)), "l"(policy) : "memory");
+#else
+    __trap();
+#endif
+}
 // Until the barrier's phase of the given parity has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, int parity) {
 #ifdef MOE_HAS_WGMMA
@@ -3433,8 +3452,8 @@ stage2_wide_kernel(
                 // activation rows past the tile's end are other rows (or
                 // zeros), computed and discarded.
                 mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + kActBytes);
-                tma_load_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
-                            entry.x * d_hidden_pad + row, &full[slot]);
+                tma_load_weights_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
+                                    entry.x * d_hidden_pad + row, &full[slot]);
                 if constexpr (kFolded)
                     tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, entry.y, &full[slot]);
                 else
@@ -3677,9 +3696,10 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                     mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);
 #pragma unroll
                     for (int i = 0; i < 2; ++i)
-                        tma_load_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map,
-                                    (unit.first_block + block0) * 16,
-                                    unit.tile.expert * expert_rows + unit.col0 + i * d_expert_pad, &full[slot]);
+                        tma_load_weights_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map,
+                                            (unit.first_block + block0) * 16,
+                                            unit.tile.expert * expert_rows + unit.col0 + i * d_expert_pad,
+                                            &full[slot]);
                 }
                 const uint32_t copied = chunk / (kChunks / SB) < valid_blocks ? valid_tokens : 0u;
                 const size_t k_offset = (size_t)block0 * (kScaleBlock * kActValueBytes);
