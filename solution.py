@@ -1347,7 +1347,7 @@ struct FoldedRows {
         const uint32_t scale = byte_perm(four_scales, 0u, 0x4440u | block);
         outside |= scale - window_start[h] > (uint32_t)(kFoldMaxShift - kFoldTableMinShift)
                    && (word & 0x77777777u) != 0u;
-        return fp4_word_to_folded_e4m3(word, lo_at_zero[h] + scale * 0x08080800u, hi_at_zero[h] + scale * 0x08080808u);
+        return fold(h, word, four_scales, block);
     }
     // 2^(base - 127): row g + 8h's sums times it after K give their values.
     __device__ __forceinline__ float row_scale(int h) const { return exact_pow2((int)base[h] - 127); }
