@@ -144,3 +144,11 @@ def test_nothing_runs_after_the_kernels_fail_to_build(tmp_path):
     out = run_script(tmp_path, "NOBUILD", {"base.py": "ok"}, ["tests", "ab"])
     assert "stopping: the CUDA kernels did not build" in out, out
     assert "pytest" not in out and "ab_bench" not in out, out
+
+
+@pytest.mark.parametrize("versions, expected", [
+    ({}, "python3 tools/flush_modes.py 0 3"),
+    ({"base.py": "ok"}, "python3 tools/flush_modes.py --versions .ab/base.py solution.py -- 0 3")])
+def test_flush_step_times_the_checkout_and_the_base_when_there(tmp_path, versions, expected):
+    out = run_script(tmp_path, "ok", versions, ["flush"], FLUSH_SHAPES="0 3")
+    assert expected in out.splitlines(), out

@@ -2,7 +2,7 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|basetests|official|profile|host|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
+#   tools/device_check.sh [tests|basetests|official|profile|host|flush|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
 #   (default: all)
 #   (tests = the GPU tests and eval.py test; PYTEST_K="EXPR" runs only the GPU tests that
 #    pytest -k EXPR selects, for a lean call; basetests = GPU tests against .ab/base.py, in a
@@ -11,6 +11,9 @@
 #    bench = eval.py benchmark + self-benchmark; selfbench = the self-benchmark alone;
 #    host = each benchmark shape's host us per call, split into the input check and the launching
 #    (tools/profile_kernels.py --host; not part of "all");
+#    flush = each benchmark shape (those FLUSH_SHAPES names, indices 0-6; default all) timed after
+#    eval.py's L2 flush and after three variants of it (tools/flush_modes.py), for .ab/base.py
+#    and this checkout's solution.py, interleaved, when .ab/base.py is there (not part of "all");
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
@@ -157,6 +160,12 @@ fi
 if asked host; then   # not part of "all"
   step "host us per call"
   python3 tools/profile_kernels.py --host 2>"$OUT/host.err" | tee "$OUT/host.log" || status=1
+fi
+if asked flush; then   # not part of "all": .ab/base.py against this checkout when it is there
+  step "what the cold start costs (tools/flush_modes.py)"
+  flush_versions=()
+  [ -f .ab/base.py ] && flush_versions=(--versions .ab/base.py solution.py --)
+  python3 tools/flush_modes.py "${flush_versions[@]}" ${FLUSH_SHAPES:-} 2>"$OUT/flush.err" | tee "$OUT/flush.log" || status=1
 fi
 if asked sweep; then
   step "config sweep"
