@@ -20,9 +20,10 @@ events around it, launch hidden behind a spin, as eval.py does):
                                             and this checkout's, for a change that aims at
                                             the gap)
 
-The table gives each mode's median us and its difference to `write`: write -
-clean bounds what the writes-back of the flush's lines cost the call, write -
-touch what the translations do.
+The table gives each mode's median us and its difference to `write`: clean -
+write bounds what writing the flush's lines back costs the call, touch - write
+what the translations do (H200, 2026-12-04: about -5 us and 0 on the four
+narrow-tile shapes; BENCHMARKS.md, forty-seventh session).
 """
 import os
 import statistics
