@@ -1560,11 +1560,10 @@ __device__ __forceinline__ bool gemm_mainloop(
     uint32_t scales[MT][2][SB / 4];
     // kNarrowChecked, kTokenScaled: set by any thread that loaded a scale
     // byte above its limit (shared memory, not a register live across K: the
-    // 32-token stage 1 is at its register cap); kFolded: by any thread whose
-    // outside_window is set at the end (its row left its window: a NaN scale
-    // byte among them).
+    // 32-token stage 1 is at its register cap); kFolded: at the end, by any
+    // thread whose row_outside (below) is set or one of whose rows' first
+    // scale byte is above kFp8NarrowScale.
     __shared__ int saw_wide_scale;
-    bool outside_window = false;
     // kFolded: the threads test each stage's scale bytes, row by row,
     // against each row's window (row_window: its start in each byte, from
     // the row's first block), thread tid a share of local weight row tid %
@@ -2013,11 +2012,12 @@ __device__ __forceinline__ bool gemm_mainloop(
     if constexpr (kPath == ScalePath::kFolded) {
         // A first scale byte above kFp8NarrowScale has no exact 2^(base - 127)
         // factor, and its window would reach 255 (NaN): K again per block.
+        bool per_block = row_outside != 0u;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) outside_window |= folded_rows[mt].base[h] > kFp8NarrowScale;
-        if (outside_window || row_outside != 0u) saw_wide_scale = 1;
+            for (int h = 0; h < 2; ++h) per_block |= folded_rows[mt].base[h] > kFp8NarrowScale;
+        if (per_block) saw_wide_scale = 1;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
