@@ -13,7 +13,8 @@ it before the slot is refilled. The rows are 3,584 bytes apart (d_hidden
   raw_2d    two 2-D TMA boxes of 128 bytes x 64 rows per stage, through
             the kernels' own tensor map (solution.py's tensor_map): what
             the narrow kernels read, 128-byte runs 3,584 bytes apart
-  raw_1d    the same bytes as 128 one-row bulk copies of 128 bytes
+  raw_1d    one-row bulk copies of `run` bytes (128: the same bytes as
+            raw_2d; 256, 512: a stage of 64 or 32 rows, K's runs longer)
   shuffled  the bytes AITER's shuffled layout (SPEC section 3) puts in one
             stage: 8 runs of 2,048 contiguous bytes (16 rows x 256 values),
             57,344 bytes apart
@@ -37,6 +38,7 @@ import solution  # noqa: E402
 
 PATTERNS = ("raw_2d", "raw_1d", "shuffled", "contig", "ldg")
 RINGS = ((4, 2), (8, 2), (3, 4))   # (slots, CTAs per SM)
+RUNS = (128, 256, 512)             # raw_1d's bytes per row and stage
 ROWS_PER_CTA, STAGE_BYTES, ROW_BYTES = 128, 16384, 3584
 
 KERNEL_SOURCE = solution.COMMON_SOURCE + solution.GEMM_CONFIG_SOURCE + solution.GEMM_SOURCE + r"""
@@ -55,7 +57,7 @@ constexpr int kRowsPerCta = 128, kStageBytes = 16384, kMaxSlots = 8;
 
 template <int kPattern>
 __global__ void __launch_bounds__(256) stream_kernel(const uint8_t* __restrict__ weights, int row_bytes, int slots,
-                                                     const __grid_constant__ TensorMap map, float* sink) {
+                                                     int run, const __grid_constant__ TensorMap map, float* sink) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     __shared__ uint64_t full[kMaxSlots];
     // 128-byte swizzled boxes need 1024-byte aligned destinations.
@@ -91,8 +93,11 @@ __global__ void __launch_bounds__(256) stream_kernel(const uint8_t* __restrict__
             if constexpr (kPattern == 0) {
                 if (lane < 2) tma_load_2d(dst + lane * (kStageBytes / 2), &map, s * 128, row0 + lane * 64, barrier);
             } else if constexpr (kPattern == 1) {
-                for (int r = lane; r < kRowsPerCta; r += 32)
-                    bulk_copy(dst + r * 128, cta_bytes + (size_t)r * row_bytes + s * 128, 128, barrier);
+                // Stage s: rows of group s % groups, their K run s / groups.
+                const int rows = kStageBytes / run, groups = kRowsPerCta / rows;
+                const int first = s % groups * rows, offset = s / groups * run;
+                for (int r = lane; r < rows; r += 32)
+                    bulk_copy(dst + r * run, cta_bytes + (size_t)(first + r) * row_bytes + offset, run, barrier);
             } else if constexpr (kPattern == 2) {
                 if (lane < 8)
                     bulk_copy(dst + lane * 2048, cta_bytes + (size_t)lane * 16 * row_bytes + s * 2048, 2048, barrier);
@@ -126,7 +131,8 @@ HOST_SOURCE = r"""
 namespace moe {
 """ + _CHECK + _TENSOR_MAP + r"""
 template <int kPattern>
-void launch(const torch::Tensor& weights, int row_bytes, int slots, int ctas_per_sm, const torch::Tensor& sink) {
+void launch(const torch::Tensor& weights, int row_bytes, int slots, int run, int ctas_per_sm,
+            const torch::Tensor& sink) {
     const int64_t rows = weights.numel() / row_bytes;
     const TensorMap map = tensor_map(weights.data_ptr(), rows, row_bytes, row_bytes, 128, 64);
     int device = 0, shared_per_sm = 0;
@@ -137,24 +143,26 @@ void launch(const torch::Tensor& weights, int row_bytes, int slots, int ctas_per
     const int smem = std::max(slots * kStageBytes + 1024, shared_per_sm / ctas_per_sm - 1024 - 128);
     MOE_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<kPattern>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     stream_kernel<kPattern><<<(int)(rows / kRowsPerCta), 256, smem, c10::cuda::getCurrentCUDAStream()>>>(
-        weights.data_ptr<uint8_t>(), row_bytes, slots, map, sink.data_ptr<float>());
+        weights.data_ptr<uint8_t>(), row_bytes, slots, run, map, sink.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace moe
-void run_stream(int64_t pattern, torch::Tensor weights, int64_t row_bytes, int64_t slots, int64_t ctas_per_sm,
-                torch::Tensor sink) {
+void run_stream(int64_t pattern, torch::Tensor weights, int64_t row_bytes, int64_t slots, int64_t run,
+                int64_t ctas_per_sm, torch::Tensor sink) {
     TORCH_CHECK(slots >= 1 && slots <= moe::kMaxSlots, "slots: 1 to ", moe::kMaxSlots);
+    TORCH_CHECK(run >= 128 && moe::kStageBytes % run == 0 && row_bytes % run == 0
+                && moe::kRowsPerCta % (moe::kStageBytes / run) == 0, "run: a stage of whole rows");
     switch (pattern) {
-        case 0: return moe::launch<0>(weights, (int)row_bytes, (int)slots, (int)ctas_per_sm, sink);
-        case 1: return moe::launch<1>(weights, (int)row_bytes, (int)slots, (int)ctas_per_sm, sink);
-        case 2: return moe::launch<2>(weights, (int)row_bytes, (int)slots, (int)ctas_per_sm, sink);
-        case 3: return moe::launch<3>(weights, (int)row_bytes, (int)slots, (int)ctas_per_sm, sink);
-        case 4: return moe::launch<4>(weights, (int)row_bytes, (int)slots, (int)ctas_per_sm, sink);
+        case 0: return moe::launch<0>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
+        case 1: return moe::launch<1>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
+        case 2: return moe::launch<2>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
+        case 3: return moe::launch<3>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
+        case 4: return moe::launch<4>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
     }
     TORCH_CHECK(false, "no pattern ", pattern);
 }
 """
-DECLARATION = "void run_stream(int64_t, torch::Tensor, int64_t, int64_t, int64_t, torch::Tensor);"
+DECLARATION = "void run_stream(int64_t, torch::Tensor, int64_t, int64_t, int64_t, int64_t, torch::Tensor);"
 
 
 def build():
@@ -162,6 +170,14 @@ def build():
     build_dir = solution._writable_dir(os.path.join(solution._cache_root(), "dram_pattern"))
     return solution._load_extension("dram_pattern", "9.0a", build_dir, DECLARATION, KERNEL_SOURCE + HOST_SOURCE,
                                     "run_stream"), torch
+
+
+def rows_to_time():
+    """(pattern, run, slots, CTAs per SM) of each row the tool prints."""
+    for pattern, name in enumerate(PATTERNS):
+        for run in RUNS if name == "raw_1d" else (128,):
+            for slots, ctas_per_sm in RINGS if name != "ldg" else ((1, 2), (1, 4)):
+                yield pattern, run, slots, ctas_per_sm
 
 
 def main() -> int:
@@ -174,20 +190,20 @@ def main() -> int:
     weights = torch.randint(0, 256, (rows, ROW_BYTES), dtype=torch.uint8, device="cuda")
     sink = torch.zeros(rows // ROWS_PER_CTA * 256, device="cuda")
     print(f"{rows * ROW_BYTES / 1e6:.0f} MB in CTAs of {ROWS_PER_CTA} rows, stages of {STAGE_BYTES} bytes")
-    print(f"{'pattern':>9} {'slots':>5} {'CTAs/SM':>7} {'us':>8} {'TB/s':>6}")
-    for pattern, name in enumerate(PATTERNS):
-        for slots, ctas_per_sm in RINGS if name != "ldg" else ((1, 2), (1, 4)):
-            module.run_stream(pattern, weights, ROW_BYTES, slots, ctas_per_sm, sink)   # warm-up
-            times = []
-            for _ in range(args.reps):
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                module.run_stream(pattern, weights, ROW_BYTES, slots, ctas_per_sm, sink)
-                stop.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(stop) * 1e3)
-            us = sorted(times)[len(times) // 2]
-            print(f"{name:>9} {slots:>5} {ctas_per_sm:>7} {us:>8.1f} {rows * ROW_BYTES / us / 1e6:>6.2f}")
+    print(f"{'pattern':>9} {'run':>5} {'slots':>5} {'CTAs/SM':>7} {'us':>8} {'TB/s':>6}")
+    for pattern, run, slots, ctas_per_sm in rows_to_time():
+        module.run_stream(pattern, weights, ROW_BYTES, slots, run, ctas_per_sm, sink)   # warm-up
+        times = []
+        for _ in range(args.reps):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            module.run_stream(pattern, weights, ROW_BYTES, slots, run, ctas_per_sm, sink)
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3)
+        us = sorted(times)[len(times) // 2]
+        print(f"{PATTERNS[pattern]:>9} {run:>5} {slots:>5} {ctas_per_sm:>7} {us:>8.1f} "
+              f"{rows * ROW_BYTES / us / 1e6:>6.2f}")
     return 0
 
 
