@@ -26,9 +26,12 @@ On sm_90 every kernel after the first is launched with programmatic
 dependent launch: its CTAs are placed while the kernel before it finishes,
 and wait for it on the device (wait_for_previous_kernel).
 
-Both GEMMs read the raw (unshuffled) weights, 16-byte runs of raw rows (one
-32-value scale block each) copied straight into shared memory; AITER's
-shuffled layout serves its CK kernels' register layout, not ours.
+The GEMMs read the raw weights, 16-byte runs of raw rows (one 32-value
+scale block each) copied straight into shared memory, except stage 1's
+folded form where TMA loads its weights (8- and 16-token e4m3 tiles): it
+reads AITER's shuffled copy (input #5), whose 16-row groups hold a scale
+block's 16 rows in 256 contiguous bytes, a stage's weights in runs of 2 KB
+rather than of 128 bytes (shuffled_weight_offset).
 
 Exactness. An E2M1 value times a power of two is exact in bf16, so the GEMMs
 run bf16 MMAs (mma.sync; on sm_90 for 64-token tiles the warpgroup wgmma) on
@@ -1060,6 +1063,16 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, int
     __trap();
 #endif
 }
+// The box of a three-dimensional map (shuffled_weight_map) at (x, y, z).
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, int x, int y, int z, uint64_t* barrier) {
+#ifdef MOE_HAS_WGMMA
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3, %4}], [%5];\n"
+                 :: "r"(smem_addr(dst)), "l"(map), "r"(x), "r"(y), "r"(z), "r"(smem_addr(barrier)) : "memory");
+#else
+    __trap();
+#endif
+}
 // tma_load_2d for the wide kernels' weights, with an L2 evict-first
 // policy: their lines are the first to go when the L2 needs room. The call
 // took 0.988 of its time at bs=128 E=33, 0.996 at d512 and 0.995 at d2048
@@ -1107,6 +1120,18 @@ template <int SB>
 __device__ __forceinline__ int swizzled_weight_offset(int row, int chunk) {
     static_assert(SB == 4 || SB == 8, "stages of 4 or 8 blocks");
     return row * (SB * 16) + ((chunk ^ (SB == 8 ? row & 7 : (row >> 1) & 3)) << 4);
+}
+
+// Weight rows as AITER's shuffled copy holds them (SPEC section 3), which
+// stage 1's TMA boxes land unchanged: per 16 rows, each 16-byte chunk
+// (scale block) of all 16 rows, then the next chunk. A stage then reads
+// 16 x SB x 16 contiguous bytes per 16 rows, where the raw rows give runs
+// of SB x 16 bytes d_hidden/2 apart: streamed by the copy engine alone,
+// 4.0 against 3.5 TB/s (tools/dram_pattern.py, H200). An ldmatrix phase's
+// eight rows of one chunk are 128 contiguous bytes: no bank conflicts.
+template <int SB>
+__device__ __forceinline__ int shuffled_weight_offset(int row, int chunk) {
+    return (row >> 4) * (SB * 256) + (chunk << 8) + ((row & 15) << 4);
 }
 
 // A GEMM CTA: kRows weight rows x NT*8 tokens, its K streamed through a
@@ -1369,14 +1394,16 @@ __device__ __forceinline__ int gate_up_box_row(int r) {
 // kWeightBoxes > 0 (warpgroup-MMA configs): thread 0 loads each stage's
 // weights with TMA, that many boxes (weights.map), instead of every thread's
 // copies; with 2 boxes the local rows are gate_up_box_row's, while each box
-// lands whole. kActTma (bf16 stage 2, a tile's activations consecutive rows of
+// lands whole. kShuffledWeights: the map is a shuffled_weight_map and the
+// stage's weights lie as shuffled_weight_offset says. kActTma (bf16 stage 2, a tile's activations consecutive rows of
 // act): its activations too (act_map). Weight scales, and other
 // activations, stay cp.async. kRowTileLoop: the CTA may take several row
 // tiles (stage 2 where S::kRowTiles); stage 1 takes one, and with the loop
 // compiled in anyway ptxas kept its accumulator reset as a select of every
 // accumulator in each stage (12 FSEL of the 24-token stage's 421).
-template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kActTma,
-          bool kFoldedBytes, bool kRowTileLoop, typename WeightRowOf, typename ActRowOf, typename TileDone>
+template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kShuffledWeights,
+          bool kActTma, bool kFoldedBytes, bool kRowTileLoop, typename WeightRowOf, typename ActRowOf,
+          typename TileDone>
 __device__ __forceinline__ bool gemm_mainloop(
         float (&acc)[S::kMTiles][S::kWarpTiles][4], uint8_t* smem,
         const uint8_t* __restrict__ weight, const uint8_t* __restrict__ weight_scale, WeightRowOf weight_row_of,
@@ -1401,6 +1428,10 @@ __device__ __forceinline__ bool gemm_mainloop(
     const int n_stages = tile_stages * row_tiles;
     smem = S::aligned_base(smem);
     const int scale_len = k_padded / kScaleBlock;
+    static_assert(!kShuffledWeights || kWeightBoxes > 0, "shuffled weights: TMA boxes");
+    auto weight_offset_of = [](int row, int chunk) {
+        return kShuffledWeights ? shuffled_weight_offset<SB>(row, chunk) : S::weight_offset(row, chunk);
+    };
     // Where copy j of this thread lands within a stage's weights and activations.
     auto weight_copy_offset = [&](int j) {
         return S::weight_offset(tid / SB + j * (S::kThreads / SB), tid % SB);
@@ -1490,10 +1521,14 @@ __device__ __forceinline__ bool gemm_mainloop(
                 else
                     mbarrier_arrive_expecting(barrier, bytes);
 #pragma unroll
-                for (int i = 0; i < kWeightBoxes; ++i)
-                    tma_load_2d(base + S::kWeightOffset + i * (kRows / kWeightBoxes) * S::kWeightStride,
-                                weights.map, weights.x0 + first_block * 16,
-                                weights.row + i * weights.box_step + tile_row, barrier);
+                for (int i = 0; i < kWeightBoxes; ++i) {
+                    uint8_t* box = base + S::kWeightOffset + i * (kRows / kWeightBoxes) * S::kWeightStride;
+                    const int row = weights.row + i * weights.box_step + tile_row;
+                    if constexpr (kShuffledWeights)
+                        tma_load_3d(box, weights.map, 0, weights.x0 / 16 + first_block, row / 16, barrier);
+                    else
+                        tma_load_2d(box, weights.map, weights.x0 + first_block * 16, row, barrier);
+                }
                 if constexpr (kActTma)
 #pragma unroll
                     for (int h = 0; h < SB * kScaleBlock / 64; ++h)
@@ -1589,8 +1624,8 @@ __device__ __forceinline__ bool gemm_mainloop(
     auto load_weight_words = [&](uint32_t (&words)[MT][4], const uint8_t* w_s, int bp) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            ldmatrix_x4(words[mt], w_s + S::weight_offset(weight_smem_row(first_row + mt * S::kMTileStride
-                                                                          + (lane & 15)), bp + (lane >> 4)));
+            ldmatrix_x4(words[mt], w_s + weight_offset_of(weight_smem_row(first_row + mt * S::kMTileStride
+                                                                            + (lane & 15)), bp + (lane >> 4)));
     };
     auto load_stage_fragments = [&](int slot, int s) {
         const uint8_t* ws_s = stage_base(slot) + S::kScaleOffset;
@@ -2464,6 +2499,14 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     static_assert(!kFolded || S::kFp8, "a folded stage 1: e4m3 configs");
     constexpr bool kFoldedWeights = kFolded && S::kFoldedStage1;
+    // The folded form's TMA boxes read the shuffled copy (weight_map is
+    // gate_up_shuffled_map; shuffled_weight_offset): its 2 KB runs took the
+    // 8-token stage 1 at bs=128 E=257, 1,152 pairs streaming at full
+    // bandwidth, from 152.1 to 148.8 us (call 0.989-0.991). The per-block
+    // form, below TOKEN_SCALED_MIN_PAIRS over K slices of few CTAs, keeps the
+    // raw rows: there the runs cost 2.8 us of 58 (bs=16 E=257; H200,
+    // 2026-12-04, two A/B runs).
+    constexpr bool kShuffledStage1 = kFolded && S::kStage1WeightBoxes > 0;
     extern __shared__ __align__(16) uint8_t smem[];
     wait_for_previous_kernel();
     let_next_kernel_launch();
@@ -2522,8 +2565,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         // 24-token kernels' 128-register cap.
         int act_offset = first_block * kScaleBlock * S::kActValueBytes;
         asm volatile("" : "+r"(act_offset));
+        // The folded form's boxes come from the shuffled copy (kShuffledStage1).
         return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kStage1WeightBoxes,
-                             false, kFoldedWeights, false>(
+                             kShuffledStage1, false, kFoldedWeights, false>(
             acc, smem, weight, scale, weight_row_of, act + act_offset,
             act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0, nullptr,
             [](float (&)[MT][WT][4], int) {});
@@ -2891,7 +2935,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     float acc[MT][WT][4];
     const WeightBoxes boxes = {&weight_map, tile.expert * d_hidden_pad + row0, 0, 0};
     constexpr ScalePath kPath = kFoldedRows ? ScalePath::kVoteTokenScaled : ScalePath::kVote;
-    gemm_mainloop<S, kStage2Ring<S>, false, kPath, S::kStage2WeightBoxes, S::kStage2ActTma, false, S::kRowTiles>(
+    gemm_mainloop<S, kStage2Ring<S>, false, kPath, S::kStage2WeightBoxes, false, S::kStage2ActTma, false,
+                  S::kRowTiles>(
         acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, boxes, &inter_map, d_expert_pad,
         k_blocks, cta_tiles, kRows, tile_factor, add_tile);
     add_tile(acc, cta_tiles - 1);
@@ -3923,6 +3968,21 @@ void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, int
 #endif
 }
 
+#if !defined(USE_ROCM)
+// The driver's cuTensorMapEncodeTiled, looked up once.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static const auto encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                        &found));
+        TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn, "moe_mxfp4: the driver has no cuTensorMapEncodeTiled");
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    return encode;
+}
+#endif
+
 // A tensor map through which the warpgroup-MMA GEMMs load a stage with TMA
 // (gemm_mainloop's kWeightBoxes, kActTma): rows of `bytes` bytes,
 // row_bytes apart (what lies past `bytes`, and past the last row, reads as
@@ -3933,15 +3993,7 @@ void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, int
 TensorMap tensor_map(const void* base, int64_t rows, int bytes, int row_bytes, int box_bytes, int box_rows) {
     TensorMap map{};
 #if !defined(USE_ROCM)
-    using Encode = PFN_cuTensorMapEncodeTiled_v12000;
-    static const Encode encode = [] {
-        void* fn = nullptr;
-        cudaDriverEntryPointQueryResult found;
-        MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                                        &found));
-        TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn, "moe_mxfp4: the driver has no cuTensorMapEncodeTiled");
-        return reinterpret_cast<Encode>(fn);
-    }();
+    const auto encode = tensor_map_encoder();
     TORCH_CHECK(box_bytes == 64 || box_bytes == 128, "moe_mxfp4: TMA boxes of 64 or 128 bytes");
     const cuuint64_t dims[2] = {(cuuint64_t)bytes, (cuuint64_t)rows};
     const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
@@ -3950,6 +4002,28 @@ TensorMap tensor_map(const void* base, int64_t rows, int bytes, int row_bytes, i
     const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides,
                                    box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                    box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(result == CUDA_SUCCESS, "moe_mxfp4: cuTensorMapEncodeTiled failed (", (int)result, ")");
+#endif
+    return map;
+}
+
+// A tensor map over AITER's shuffled weight copy (shuffled_weight_offset):
+// `groups` groups of 16 rows, group_bytes apart, each `blocks` chunks of
+// 16 rows x 16 bytes (one scale block of each row; what lies past `blocks`
+// reads as zero), in boxes of box_blocks chunks of box_groups groups,
+// unswizzled (a chunk's 256 bytes are its 16 rows in turn).
+TensorMap shuffled_weight_map(const void* base, int64_t groups, int blocks, int64_t group_bytes, int box_blocks,
+                              int box_groups) {
+    TensorMap map{};
+#if !defined(USE_ROCM)
+    const auto encode = tensor_map_encoder();
+    const cuuint64_t dims[3] = {256, (cuuint64_t)blocks, (cuuint64_t)groups};
+    const cuuint64_t strides[2] = {256, (cuuint64_t)group_bytes};
+    const cuuint32_t box[3] = {256, (cuuint32_t)box_blocks, (cuuint32_t)box_groups};
+    const cuuint32_t element_strides[3] = {1, 1, 1};
+    const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides,
+                                   box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     TORCH_CHECK(result == CUDA_SUCCESS, "moe_mxfp4: cuTensorMapEncodeTiled failed (", (int)result, ")");
 #endif
@@ -4069,7 +4143,7 @@ int stage2_row_tiles(Kernel kernel, int threads, SharedBytes shared_bytes_of, in
 struct MoeCall {
     cudaStream_t stream;
     int num_pairs, n_experts, d_hidden, d_hidden_pad, d_expert, d_expert_pad, requested_splits, requested_row_tiles;
-    const torch::Tensor &gate_up_weight, &gate_up_scale, &down_weight, &down_scale;
+    const torch::Tensor &gate_up_weight, &gate_up_weight_shuffled, &gate_up_scale, &down_weight, &down_scale;
     const Activations &act, &inter;
     const int* sorted_tokens;
     const float* sorted_weights;
@@ -4143,10 +4217,17 @@ void launch_swiglu_quantize(const MoeCall& c, const Stage1Slices& slices) {
     else if (splits <= kSwigluLoads / 2 && fills(2)) launch(swiglu_quantize_kernel<FP8, 2>, 2);
     else launch(swiglu_quantize_kernel<FP8, 1>, 1);
 }
-// Every expert's gate and up rows, in boxes of half a CTA's rows.
+// Every expert's gate and up rows, in boxes of half a CTA's rows: the wide
+// stage 1's, and the plain (per-block) stage1_kernel's, on the raw rows.
 TensorMap gate_up_map(const MoeCall& c, int stage_blocks) {
     return tensor_map(c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_weight.size(0) * c.gate_up_weight.size(1),
                       c.k_blocks1() * 16, c.d_hidden_pad / 2, stage_blocks * 16, kRows / 2);
+}
+// The folded stage1_kernel's (kShuffledStage1): the shuffled copy, boxes of 64 rows.
+TensorMap gate_up_shuffled_map(const MoeCall& c, int stage_blocks) {
+    return shuffled_weight_map(c.gate_up_weight_shuffled.data_ptr<uint8_t>(),
+                               c.gate_up_weight.size(0) * c.gate_up_weight.size(1) / 16, c.k_blocks1(),
+                               16 * (int64_t)(c.d_hidden_pad / 2), stage_blocks, kRows / 2 / 16);
 }
 // Stage 2's TMA maps: the down weights as one row per output column of
 // every expert, and the intermediate activations in boxes of a tile's rows.
@@ -4165,9 +4246,10 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     TORCH_CHECK(!WG || at::cuda::getCurrentDeviceProperties()->major == 9,
                 "moe_mxfp4: warpgroup-MMA configs run on sm_90 GPUs only");
     // With folded activations (c.act has token scales): the folded form.
+    const bool folded = FP8 && c.act.token_scale.defined();
     auto stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false>;
     if constexpr (FP8)
-        if (c.act.token_scale.defined()) stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true>;
+        if (folded) stage1 = stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true>;
     auto shared_bytes = [](int k_blocks) {
         return S::shared_bytes(k_blocks, S::kTokens * kStage1HStride * (int)sizeof(float), 1, S::kStages);
     };
@@ -4185,7 +4267,8 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
         c.act.token_scales(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
         c.d_expert, c.d_expert_pad, slices.blocks, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
-        S::kStage1WeightBoxes > 0 ? gate_up_map(c, SB) : TensorMap{});
+        // The folded form reads the shuffled copy (stage1_kernel's kShuffledStage1).
+        S::kStage1WeightBoxes == 0 ? TensorMap{} : folded ? gate_up_shuffled_map(c, SB) : gate_up_map(c, SB));
     launch_swiglu_quantize<FP8>(c, slices);
 }
 
@@ -4353,7 +4436,8 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
 // stage2_row_tiles: row tiles per stage-2 CTA, or 0 to choose (see stage2_row_tiles).
 torch::Tensor moe_forward(
         torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
-        torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
+        torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor gate_up_weight_shuffled,
+        torch::Tensor topk_weights,
         torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t n_shared_experts, int64_t tile_tokens,
         int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
         int64_t stage2_warp_rows, int64_t wide_tile_tokens, bool token_scaled,
@@ -4380,11 +4464,15 @@ torch::Tensor moe_forward(
     const int table_tokens = wide_tile_tokens == 48 || wide_tile_tokens == 144 ? (int)wide_tile_tokens
                                                                                 : (int)tile_tokens;
     for (const auto& [name, tensor] : {std::make_pair("gate_up_weight", &gate_up_weight),
+                                       std::make_pair("gate_up_weight_shuffled", &gate_up_weight_shuffled),
                                        std::make_pair("down_weight", &down_weight),
                                        std::make_pair("gate_up_scale", &gate_up_scale),
                                        std::make_pair("down_scale", &down_scale)})
         TORCH_CHECK(reinterpret_cast<uintptr_t>(tensor->data_ptr()) % 16 == 0, "moe_mxfp4: ", name,
                     " must start on a 16-byte boundary (its 16-byte copies and TMA boxes need it)");
+    // Stage 1's folded form reads the shuffled copy (shuffled_weight_offset).
+    TORCH_CHECK(gate_up_weight_shuffled.sizes() == gate_up_weight.sizes(), "moe_mxfp4: gate_up_weight_shuffled ",
+                gate_up_weight_shuffled.sizes(), " must have gate_up_weight's shape ", gate_up_weight.sizes());
     const c10::cuda::CUDAGuard guard(hidden_states.device());
     const int m = hidden_states.size(0), top_k = topk_ids.size(1), n_experts = gate_up_weight.size(0);
     const int d_hidden_pad = down_weight.size(1), d_expert_pad = down_weight.size(2) * 2;
@@ -4452,7 +4540,8 @@ torch::Tensor moe_forward(
     MOE_CUDA_CHECK(cudaGetLastError());
 
     const MoeCall call{stream, num_pairs, n_experts, (int)d_hidden, d_hidden_pad, (int)d_expert, d_expert_pad,
-                       (int)stage1_splits, (int)stage2_row_tiles, gate_up_weight, gate_up_scale, down_weight,
+                       (int)stage1_splits, (int)stage2_row_tiles, gate_up_weight, gate_up_weight_shuffled,
+                       gate_up_scale, down_weight,
                        down_scale, act, inter, sorted_tokens, sorted_weights, expert_offsets, accumulator,
                        bf16_ptr(hidden_states), m, folded_stage2 ? stage2_redo : nullptr,
                        folded_stage2 ? inter_folded.data_ptr<uint8_t>() : nullptr,
@@ -4494,7 +4583,8 @@ torch::Tensor moe_forward(
 HOST_DECLARATION = """
 torch::Tensor moe_forward(
     torch::Tensor hidden_states, torch::Tensor gate_up_weight, torch::Tensor down_weight,
-    torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor topk_weights,
+    torch::Tensor gate_up_scale, torch::Tensor down_scale, torch::Tensor gate_up_weight_shuffled,
+    torch::Tensor topk_weights,
     torch::Tensor topk_ids, int64_t d_hidden, int64_t d_expert, int64_t n_shared_experts, int64_t tile_tokens,
     int64_t warp_rows, int64_t warp_tokens, int64_t stage_blocks, int64_t stages, bool wgmma, bool fp8,
     int64_t stage2_warp_rows, int64_t wide_tile_tokens, bool token_scaled,
@@ -4703,7 +4793,7 @@ def validate_inputs(data: input_t) -> None:
         raise TypeError(f"data: expected the 12-tuple of task.input_t, got {type(data).__name__}"
                         + (f" of length {len(data)}" if isinstance(data, (tuple, list)) else ""))
     (hidden_states, gate_up_weight, down_weight, gate_up_scale, down_scale,
-     _, _, _, _, topk_weights, topk_ids, config) = data
+     gate_up_weight_shuffled, _, _, _, topk_weights, topk_ids, config) = data
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, got {type(config).__name__}")
     for key in ("d_hidden", "d_expert", "d_hidden_pad", "d_expert_pad"):
@@ -4720,7 +4810,7 @@ def validate_inputs(data: input_t) -> None:
 
     named = {"hidden_states": hidden_states, "gate_up_weight": gate_up_weight, "down_weight": down_weight,
              "gate_up_weight_scale": gate_up_scale, "down_weight_scale": down_scale,
-             "topk_weights": topk_weights, "topk_ids": topk_ids}
+             "gate_up_weight_shuffled": gate_up_weight_shuffled, "topk_weights": topk_weights, "topk_ids": topk_ids}
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -4731,6 +4821,7 @@ def validate_inputs(data: input_t) -> None:
     byte_types = (torch.uint8, getattr(torch, "float4_e2m1fn_x2", torch.uint8), getattr(torch, "float8_e8m0fnu", torch.uint8))
     expected_dtypes = {"hidden_states": (torch.bfloat16,), "gate_up_weight": byte_types, "down_weight": byte_types,
                        "gate_up_weight_scale": byte_types, "down_weight_scale": byte_types,
+                       "gate_up_weight_shuffled": byte_types,
                        "topk_weights": (torch.float32,), "topk_ids": (torch.int32,)}
     for name, dtypes in expected_dtypes.items():
         if named[name].dtype not in dtypes:
@@ -4745,6 +4836,9 @@ def validate_inputs(data: input_t) -> None:
     n_experts = gate_up_weight.shape[0]
     if not 0 < n_experts <= MAX_EXPERTS:
         raise ValueError(f"gate_up_weight: expected 1..{MAX_EXPERTS} experts, got {n_experts}")
+    if gate_up_weight_shuffled.shape != gate_up_weight.shape:
+        raise ValueError(f"gate_up_weight_shuffled: expected gate_up_weight's shape {list(gate_up_weight.shape)}, "
+                         f"got {list(gate_up_weight_shuffled.shape)}")
     if list(down_weight.shape) != [n_experts, d_hidden_pad, d_expert_pad // 2]:
         raise ValueError(f"down_weight: expected {[n_experts, d_hidden_pad, d_expert_pad // 2]}, "
                          f"got {list(down_weight.shape)}")
@@ -4778,7 +4872,7 @@ def _moe_forward_args(data: input_t, kernel_config: Optional[KernelConfig] = Non
                       stage2_row_tiles: int = 0) -> tuple:
     """moe_forward's arguments for an input (see _run_kernels)."""
     (hidden_states, gate_up_weight, down_weight, gate_up_scale, down_scale,
-     _, _, _, _, topk_weights, topk_ids, config) = data
+     gate_up_weight_shuffled, _, _, _, topk_weights, topk_ids, config) = data
     # Checked here as well as in moe_forward, so that a call too large for
     # the kernels' 32-bit accumulator offsets is a ValueError, like every
     # other mistake a caller can make, before anything is allocated.
@@ -4794,7 +4888,7 @@ def _moe_forward_args(data: input_t, kernel_config: Optional[KernelConfig] = Non
     # slice, a storage offset) is copied, at the cost of a copy per call.
     as_bytes = lambda t: _aligned(t.contiguous().view(torch.uint8))  # noqa: E731
     return (hidden_states.contiguous(), as_bytes(gate_up_weight), as_bytes(down_weight), as_bytes(gate_up_scale),
-            as_bytes(down_scale), topk_weights.contiguous(), topk_ids.contiguous(),
+            as_bytes(down_scale), as_bytes(gate_up_weight_shuffled), topk_weights.contiguous(), topk_ids.contiguous(),
             config["d_hidden"], config["d_expert"], config.get("n_shared_experts", 0), *kernel_config, stage1_splits,
             stage2_row_tiles)
 

@@ -41,6 +41,12 @@ def with_replaced(data, index, value):
     return tuple(data)
 
 
+def with_gate_up_weight(data, weights):
+    """data with new gate/up weights (#1) and their shuffled copy (#5),
+    which stage 1's TMA configs read instead."""
+    return with_replaced(with_replaced(data, 1, weights), 5, reference.shuffle_weight(weights))
+
+
 # ---------------------------------------------------------------------------
 # Any machine
 # ---------------------------------------------------------------------------
@@ -86,6 +92,7 @@ def test_three_dimensional_scales_are_accepted():
     (10, lambda d: d[10].long(), r"topk_ids: expected dtype torch.int32"),
     (9, lambda d: d[9][:, :1], r"topk_weights: expected \[7, 3\]"),
     (2, lambda d: d[2][:, :-1], r"down_weight: expected"),
+    (5, lambda d: d[5][:-1], r"gate_up_weight_shuffled: expected gate_up_weight's shape"),
     (3, lambda d: d[3][:-1], r"gate_up_weight_scale: expected"),
     (11, lambda d: {k: v for k, v in d[11].items() if k != "d_expert"}, r"config: missing key 'd_expert'"),
     (11, lambda d: {**d[11], "d_hidden_pad": 500}, r"config\['d_hidden_pad'\]: expected a positive multiple of 256"),
@@ -523,7 +530,7 @@ def with_gate_up_block(data, expert, row, block, code_byte, scale_byte, scales=N
     weights[expert, row, 16 * block:16 * block + 16] = code_byte
     scales = (data[3].view(torch.uint8) if scales is None else scales).clone()
     scales[expert * 2 * d_expert_pad + row, block] = scale_byte
-    return with_replaced(with_replaced(data, 1, weights.view(data[1].dtype)), 3, scales.view(data[3].dtype))
+    return with_replaced(with_gate_up_weight(data, weights.view(data[1].dtype)), 3, scales.view(data[3].dtype))
 
 
 def with_first_block_scales_moved(data, rows, shift, index=3, block=0):
@@ -571,7 +578,7 @@ def test_folded_stage1_tests_the_window_in_the_k_tail(config):
     weights = data[1].view(torch.uint8).cpu().clone().reshape(-1, data[1].shape[-1])
     weights[rows, 16 * 32:16 * 33] = 0x35   # codes of 1.5 and 3: nonzero in every word
     assert data[1].shape[0] * 2 * d_expert_pad == data[3].shape[0]
-    data = with_replaced(data, 1, weights.reshape(data[1].shape).to(data[1].device).view(data[1].dtype))
+    data = with_gate_up_weight(data, weights.reshape(data[1].shape).to(data[1].device).view(data[1].dtype))
     data = with_first_block_scales_moved(data, rows, 9, block=32)
     module = solution._backend(torch.device("cuda"))[1]
     run_checked(data, run=lambda d: solution._run_kernels(module, d, config))
@@ -597,7 +604,7 @@ def test_token_scaled_stage1_takes_the_per_block_pass_above_its_limit():
     per_expert = scales.view(data[1].shape[0], 2 * d_expert_pad, -1)
     per_expert[:, gate_rows] = torch.tensor([240, 241, 242], dtype=torch.uint8, device=scales.device)[:, None]
     per_expert[:, up_rows] = (per_expert[:, up_rows].to(torch.int32) - 100).clamp(min=0).to(torch.uint8)
-    data = with_replaced(with_replaced(data, 1, weights.view(data[1].dtype)), 3, scales.view(data[3].dtype))
+    data = with_replaced(with_gate_up_weight(data, weights.view(data[1].dtype)), 3, scales.view(data[3].dtype))
     data = with_replaced(data, 0, torch.full_like(data[0], 6 * 2.0 ** -14))
     module = solution._backend(torch.device("cuda"))[1]
     out = run_checked(data, run=lambda d: solution._run_kernels(module, d, TOKEN_SCALED))
