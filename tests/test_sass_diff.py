@@ -24,3 +24,14 @@ def test_a_renaming_compares_equal_and_a_reordering_does_not():
     # A different immediate is a different instruction, not a renaming.
     changed = ["IMAD R23, R104, 0x8080808, R13 ;", renamed[1]]
     assert sass_diff.without_register_names(a) != sass_diff.without_register_names(changed)
+
+
+def test_branch_targets_become_labels_that_an_insertion_elsewhere_leaves_alone():
+    before = ["@!P0 BRA 0x40 ;", "BSSY B0, 0x60 ;", "IMAD R1, R2, 0x40, R3 ;", "BRA 0x60 ;"]
+    # One instruction added ahead of both targets: every target address moves by 0x10.
+    after = ["@!P0 BRA 0x50 ;", "BSSY B0, 0x70 ;", "IMAD R1, R2, 0x40, R3 ;", "NOP ;", "BRA 0x70 ;"]
+    labelled = sass_diff.with_branch_labels(before)
+    assert labelled == ["@!P0 BRA L0 ;", "BSSY B0, L1 ;", "IMAD R1, R2, 0x40, R3 ;", "BRA L1 ;"]
+    assert [line for line in sass_diff.with_branch_labels(after) if line != "NOP ;"] == labelled
+    # A branch to a different place is still a different instruction.
+    assert sass_diff.with_branch_labels(["@!P0 BRA 0x60 ;", "BSSY B0, 0x40 ;"]) != labelled[:2]

@@ -3,7 +3,9 @@ GPU: each version's device code built for sm_90a (as tools/kernel_resources.py
 builds it), then per kernel its SASS instruction count in each, and whether
 the two differ only in register names (same opcodes and operands otherwise,
 in the same order: a change that cannot move that kernel's time beyond
-register-bank effects). Kernels whose SASS is identical are not listed.
+register-bank effects). Branch targets are compared as labels numbered in
+address order, so an instruction added in one place does not make every
+later branch differ. Kernels whose SASS is identical are not listed.
 
     python tools/sass_diff.py A.py B.py [KERNEL_SUBSTRING]
 
@@ -22,13 +24,24 @@ import kernel_resources  # noqa: E402
 
 _ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
 _REGISTER = re.compile(r"\bR\d+\b")
+# A branch-like instruction's target, a byte address within the function.
+_BRANCH = re.compile(r"\b(BRA|BSSY|CALL\.REL(?:\.NOINC)?|JMP|BRX|SSY|PBK|PCNT)\b([^;]*?)\b0x([0-9a-f]+)\b")
 
 
 def instructions(function_sass: str) -> list:
     """A kernel's SASS instructions (cuobjdump's lines with an address), the
     address and encoding comments removed."""
-    return [_ADDRESS.sub("", line.split(";")[0]).strip() + " ;"
-            for line in function_sass.splitlines() if _ADDRESS.search(line)]
+    return with_branch_labels([_ADDRESS.sub("", line.split(";")[0]).strip() + " ;"
+                               for line in function_sass.splitlines() if _ADDRESS.search(line)])
+
+
+def with_branch_labels(lines: list) -> list:
+    """Branch targets written L0, L1, ... in address order, so that an
+    instruction added or removed elsewhere leaves every branch line as it
+    was (only a new target renumbers the labels after it)."""
+    targets = sorted({int(match.group(3), 16) for match in map(_BRANCH.search, lines) if match})
+    label = {target: f"L{i}" for i, target in enumerate(targets)}
+    return [_BRANCH.sub(lambda m: f"{m.group(1)}{m.group(2)}{label[int(m.group(3), 16)]}", line) for line in lines]
 
 
 def without_register_names(lines: list) -> list:
