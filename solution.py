@@ -1395,8 +1395,9 @@ __device__ __forceinline__ int gate_up_box_row(int r) {
 // weights with TMA, that many boxes (weights.map), instead of every thread's
 // copies; with 2 boxes the local rows are gate_up_box_row's, while each box
 // lands whole. kShuffledWeights: the map is a shuffled_weight_map and the
-// stage's weights lie as shuffled_weight_offset says. kActTma (bf16 stage 2, a tile's activations consecutive rows of
-// act): its activations too (act_map). Weight scales, and other
+// stage's weights lie as shuffled_weight_offset says. kActTma (bf16 stage
+// 2, a tile's activations consecutive rows of act): its activations too
+// (act_map). Weight scales, and other
 // activations, stay cp.async. kRowTileLoop: the CTA may take several row
 // tiles (stage 2 where S::kRowTiles); stage 1 takes one, and with the loop
 // compiled in anyway ptxas kept its accumulator reset as a select of every
@@ -4925,6 +4926,10 @@ def _run_torch(data: input_t) -> output_t:
 
 
 def custom_kernel(data: input_t) -> output_t:
+    """The MoE layer's output for task.input_t. Inputs #5-#8 must be the
+    shuffled copies of #1-#4 that the task makes (SPEC section 3): on sm_90
+    stage 1's folded form reads #5 in place of #1, and checking that they
+    agree would cost a read of both per call."""
     validate_inputs(data)
     hidden_states = data[0]
     if hidden_states.shape[0] == 0:
