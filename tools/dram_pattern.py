@@ -154,14 +154,10 @@ void run_stream(int64_t pattern, torch::Tensor weights, int64_t row_bytes, int64
     TORCH_CHECK(slots >= 1 && slots <= moe::kMaxSlots, "slots: 1 to ", moe::kMaxSlots);
     TORCH_CHECK(run >= 128 && moe::kStageBytes % run == 0 && row_bytes % run == 0
                 && moe::kRowsPerCta % (moe::kStageBytes / run) == 0, "run: a stage of whole rows");
-    switch (pattern) {
-        case 0: return moe::launch<0>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
-        case 1: return moe::launch<1>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
-        case 2: return moe::launch<2>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
-        case 3: return moe::launch<3>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
-        case 4: return moe::launch<4>(weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
-    }
-    TORCH_CHECK(false, "no pattern ", pattern);
+    using Launch = void (*)(const torch::Tensor&, int, int, int, int, const torch::Tensor&);
+    constexpr Launch launches[] = {moe::launch<0>, moe::launch<1>, moe::launch<2>, moe::launch<3>, moe::launch<4>};
+    TORCH_CHECK(pattern >= 0 && pattern < (int64_t)std::size(launches), "no pattern ", pattern);
+    launches[pattern](weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
 }
 """
 DECLARATION = "void run_stream(int64_t, torch::Tensor, int64_t, int64_t, int64_t, int64_t, torch::Tensor);"
