@@ -718,6 +718,13 @@ PER_BLOCK_STAGE1_CONFIGS = tuple(c._replace(token_scaled=False) for c in GEMM_CO
 # of stage 2 (H200, 2026-12-03), is less than the pass costs the chain; at 32
 # the kernel spilled (at its 128-register cap).
 FOLDED_STAGE2_TOKENS = (16, 24)
+# The e4m3 configs whose stage 2 has a second kernel for d_expert up to one
+# stage (a row tile one stage: nothing of the next row tile's K to hold),
+# at one CTA per SM more and a ring of fewer slots: at 8 tokens its CTAs of
+# 8 row tiles took bs=128 E=257's stage 2 from 80.4 to 77.5 us, while at
+# d_expert 512 (two stages a row tile) the 2-slot ring cost bs=16 E=33 1.3%
+# (H200, 2026-12-04).
+ONE_STAGE_STAGE2_TOKENS = (8,)
 
 
 def _config_macro(name: str, configs) -> str:
@@ -731,9 +738,13 @@ GEMM_CONFIG_SOURCE = (_config_macro("MOE_GEMM_CONFIGS", GEMM_CONFIGS)
                       + _config_macro("MOE_FOLDED_STAGE1_CONFIGS", [c for c in GEMM_CONFIGS if c.fp8])
                       + _config_macro("MOE_FOLDED_STAGE2_CONFIGS", [c for c in GEMM_CONFIGS if c.fp8
                                                                     and c.tile_tokens in FOLDED_STAGE2_TOKENS])
+                      + _config_macro("MOE_ONE_STAGE_STAGE2_CONFIGS", [c for c in GEMM_CONFIGS if c.fp8
+                                                                       and c.tile_tokens in ONE_STAGE_STAGE2_TOKENS])
                       + f"constexpr int kFoldedStage1MinTokens = {FOLDED_STAGE1_MIN_TOKENS};\n"
                       + "constexpr bool folded_stage2_tokens(int tokens) { return "
-                      + " || ".join(f"tokens == {n}" for n in FOLDED_STAGE2_TOKENS) + "; }\n")
+                      + " || ".join(f"tokens == {n}" for n in FOLDED_STAGE2_TOKENS) + "; }\n"
+                      + "constexpr bool one_stage_stage2_tokens(int tokens) { return "
+                      + " || ".join(f"tokens == {n}" for n in ONE_STAGE_STAGE2_TOKENS) + "; }\n")
 
 
 def _wgmma_source(n: int, kind: str = "bf16") -> str:
@@ -1266,6 +1277,10 @@ struct GemmShape {
     static constexpr bool kStage2ActTma = WG && !FP8;
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
                                           : FP8 ? 2 : 1;
+    // The second stage-2 kernel of ONE_STAGE_STAGE2_TOKENS, for a K of one
+    // stage: one CTA per SM more (stage2_kernel's kOneStage).
+    static constexpr bool kStage2OneStageKernel = FP8 && one_stage_stage2_tokens(kTokens);
+    static constexpr int kStage2MinBlocksOneStage = kStage2MinBlocks + (kStage2OneStageKernel ? 1 : 0);
     // Several row tiles per CTA (gemm_mainloop): not with bf16 warpgroup
     // MMAs, where zeroing the accumulators between a tile's MMAs and the
     // next tile's makes ptxas serialise every wgmma; their configs serve the
@@ -2764,17 +2779,20 @@ template <typename S>
 constexpr int kStage2EpilogueBytes = S::kTokens * kStage2YStride * (int)sizeof(float);
 
 // Stage 2's pipeline ring. Its CTAs stream several row tiles of a short K
-// (stage2_row_tiles), and are sized for kStage2MinBlocks per SM: the ring has as
+// (stage2_row_tiles), and are sized for kStage2MinBlocks per SM
+// (kStage2MinBlocksOneStage for kOneStage): the ring has as
 // many slots (2..kStages) as fit that many CTAs, each with its epilogue
 // buffer, in an H100/H200 SM's 228 KB (1 KB of it reserved per CTA). bf16
 // warpgroup MMAs keep kStages (one row tile, long K).
 constexpr int kSharedBytesPerSm = 228 * 1024;
-template <typename S>
-constexpr int kStage2Fit = (kSharedBytesPerSm / S::kStage2MinBlocks - 1024 - kStage2EpilogueBytes<S>
+template <typename S, bool kOneStage>
+constexpr int kStage2CtasPerSm = kOneStage ? S::kStage2MinBlocksOneStage : S::kStage2MinBlocks;
+template <typename S, bool kOneStage>
+constexpr int kStage2Fit = (kSharedBytesPerSm / kStage2CtasPerSm<S, kOneStage> - 1024 - kStage2EpilogueBytes<S>
                             - S::kAlignmentSlack) / S::kStageBytes;
-template <typename S>
-constexpr int kStage2Ring = S::kAsyncStages || kStage2Fit<S> > S::kStages ? S::kStages
-                          : kStage2Fit<S> < 2 ? 2 : kStage2Fit<S>;
+template <typename S, bool kOneStage = false>
+constexpr int kStage2Ring = S::kAsyncStages || kStage2Fit<S, kOneStage> > S::kStages ? S::kStages
+                          : kStage2Fit<S, kOneStage> < 2 ? 2 : kStage2Fit<S, kOneStage>;
 
 __device__ __forceinline__ void atomic_add_float4(float* dst, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -2871,9 +2889,12 @@ __device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& ti
 // fold_inter_codes_kernel's rows and inter_factor their 2^base (NaN where a
 // row did not fold), and each stage votes between the token-scaled pass and
 // the per-block one (ScalePath::kVoteTokenScaled).
-template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, bool kFoldedRows>
+// kOneStage (GemmShape::kStage2OneStageKernel, K of one stage): built for
+// kStage2MinBlocksOneStage CTAs per SM, its ring as many slots as fit them.
+template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, bool kFoldedRows, bool kOneStage>
 __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
-                                  GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage2MinBlocks) stage2_kernel(
+                                  kStage2CtasPerSm<GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>, kOneStage>)
+stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
         const uint8_t* __restrict__ inter, const float* __restrict__ inter_scale,
         const int* __restrict__ sorted_tokens, const float* __restrict__ sorted_weights,
@@ -2901,7 +2922,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // pipeline's last one. (Values computed here rather than before the
     // mainloop: live across it, they made ptxas serialise the wgmmas.)
     auto add_tile = [&](float (&acc)[MT][WT][4], int row_tile) {
-        float* y = reinterpret_cast<float*>(S::epilogue_buffer(smem, k_blocks, cta_tiles, kStage2Ring<S>));
+        float* y = reinterpret_cast<float*>(S::epilogue_buffer(smem, k_blocks, cta_tiles, kStage2Ring<S, kOneStage>));
         const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
         static_assert(S::kTokens <= S::kThreads, "look_up_tokens: a token per lane");
         const TokenLookup<1> lookup = look_up_tokens<1>(tile, warp, S::kThreads / 32, lane, sorted_tokens,
@@ -2936,7 +2957,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     float acc[MT][WT][4];
     const WeightBoxes boxes = {&weight_map, tile.expert * d_hidden_pad + row0, 0, 0};
     constexpr ScalePath kPath = kFoldedRows ? ScalePath::kVoteTokenScaled : ScalePath::kVote;
-    gemm_mainloop<S, kStage2Ring<S>, false, kPath, S::kStage2WeightBoxes, false, S::kStage2ActTma, false,
+    gemm_mainloop<S, kStage2Ring<S, kOneStage>, false, kPath, S::kStage2WeightBoxes, false, S::kStage2ActTma, false,
                   S::kRowTiles>(
         acc, smem, weight, scale, weight_row_of, inter, inter_scale, row_of, boxes, &inter_map, d_expert_pad,
         k_blocks, cta_tiles, kRows, tile_factor, add_tile);
@@ -2980,22 +3001,26 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
         const int*, int, int, int, int, int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE_FOLDED(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, true)
-#define MOE_INSTANTIATE_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, FOLDED)                                     \
-    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, FOLDED>(const uint8_t*,        \
+#define MOE_INSTANTIATE_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, FOLDED, ONE_STAGE)                          \
+    template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, FOLDED, ONE_STAGE>(const uint8_t*, \
         const uint8_t*, const uint8_t*, const float*, const int*, const float*, const int*, const int2*,   \
         const int*, int, int, int, int, int, float*, const float*, const __grid_constant__ TensorMap,      \
         const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
     MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, false)                                         \
-    MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, false)
+    MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, false, false)
 #define MOE_INSTANTIATE_FOLDED_ROWS(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
-    MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, true)
+    MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, true, false)
+#define MOE_INSTANTIATE_ONE_STAGE(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
+    MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, false, true)
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
 MOE_FOLDED_STAGE1_CONFIGS(MOE_INSTANTIATE_FOLDED)
 MOE_FOLDED_STAGE2_CONFIGS(MOE_INSTANTIATE_FOLDED_ROWS)
+MOE_ONE_STAGE_STAGE2_CONFIGS(MOE_INSTANTIATE_ONE_STAGE)
 #undef MOE_INSTANTIATE
 #undef MOE_INSTANTIATE_FOLDED
 #undef MOE_INSTANTIATE_FOLDED_ROWS
+#undef MOE_INSTANTIATE_ONE_STAGE
 #undef MOE_INSTANTIATE_STAGE1
 #undef MOE_INSTANTIATE_STAGE2
 #define MOE_INSTANTIATE_ROUTE(FP8, FOLDED)                                                                 \
@@ -4277,31 +4302,42 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 void launch_stage2(const MoeCall& c, const TileTable& t) {
     using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
+    // kernel: a stage2_kernel whose ring is kStage2Ring<S, one_stage::value>.
+    auto launch = [&](auto kernel, auto one_stage) {
+        auto shared_bytes = [](int k_blocks, int row_tiles) {
+            return S::shared_bytes(k_blocks, kStage2EpilogueBytes<S>, row_tiles,
+                                   kStage2Ring<S, decltype(one_stage)::value>);
+        };
+        allow_shared_memory(kernel, shared_bytes(SB * STAGES, S::kRowTiles ? 2 : 1));
+        const int k_blocks = c.k_blocks2(), grid_rows = c.grid_rows();
+        const int row_tiles = !S::kRowTiles ? 1 : std::min(grid_rows, c.requested_row_tiles > 0
+            ? c.requested_row_tiles
+            : stage2_row_tiles(kernel, S::kThreads, [&](int per_cta) { return shared_bytes(k_blocks, per_cta); },
+                               t.estimate, grid_rows));
+        launch_after_previous(kernel, dim3(t.max_tiles, (grid_rows + row_tiles - 1) / row_tiles), S::kThreads,
+            shared_bytes(k_blocks, row_tiles), c.stream,
+            c.down_weight.data_ptr<uint8_t>(), c.down_scale.data_ptr<uint8_t>(), c.inter.bytes(), c.inter.scales(),
+            c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
+            c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(), c.inter_factor,
+            S::kStage2WeightBoxes > 0 ? down_map(c, SB) : TensorMap{},
+            S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
+    };
     // With folded rows (c.inter_factor): the pass that folds them, then the kernel that votes for them.
-    auto stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false>;
     if constexpr (FP8 && folded_stage2_tokens(S::kTokens))
         if (c.inter_factor != nullptr) {
-            stage2 = stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true>;
             launch_after_previous(fold_inter_codes_kernel,
                 dim3(std::min((c.num_pairs + kFoldCodesThreads / 32 - 1) / (kFoldCodesThreads / 32), 8 * sm_count())),
                 kFoldCodesThreads, 0, c.stream, c.inter.bytes(), c.inter.scales(), c.expert_offsets, c.n_experts,
                 c.d_expert_pad, c.k_blocks2(), c.inter_factor);
+            launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true, false>, std::false_type());
+            return;
         }
-    auto shared_bytes = [](int k_blocks, int row_tiles) {
-        return S::shared_bytes(k_blocks, kStage2EpilogueBytes<S>, row_tiles, kStage2Ring<S>);
-    };
-    allow_shared_memory(stage2, shared_bytes(SB * STAGES, S::kRowTiles ? 2 : 1));
-    const int k_blocks = c.k_blocks2(), grid_rows = c.grid_rows();
-    const int row_tiles = !S::kRowTiles ? 1 : std::min(grid_rows, c.requested_row_tiles > 0 ? c.requested_row_tiles
-        : stage2_row_tiles(stage2, S::kThreads, [&](int per_cta) { return shared_bytes(k_blocks, per_cta); },
-                           t.estimate, grid_rows));
-    launch_after_previous(stage2, dim3(t.max_tiles, (grid_rows + row_tiles - 1) / row_tiles), S::kThreads,
-        shared_bytes(k_blocks, row_tiles), c.stream,
-        c.down_weight.data_ptr<uint8_t>(), c.down_scale.data_ptr<uint8_t>(), c.inter.bytes(), c.inter.scales(),
-        c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
-        c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(), c.inter_factor,
-        S::kStage2WeightBoxes > 0 ? down_map(c, SB) : TensorMap{},
-        S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
+    if constexpr (S::kStage2OneStageKernel)
+        if (c.k_blocks2() <= SB) {
+            launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false, true>, std::true_type());
+            return;
+        }
+    launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false, false>, std::false_type());
 }
 
 // The wide kernels (bf16 warpgroup MMAs; e4m3 for the folded stage 1), with

@@ -34,6 +34,10 @@ void show() {
            stage1 / 1024.0, S1::kStages, S1::kStageBytes / 1024.0);
     for (int k_blocks : {8, 16, 64})
         printf(" %8.1f", S2::shared_bytes(k_blocks, kStage2EpilogueBytes<S2>, 1, kStage2Ring<S2>) / 1024.0);
+    // At d_expert 256 over 8 row tiles, where the ring matters: the second kernel for a K of one stage where
+    // the config has one.
+    printf(" %8.1f", S2::shared_bytes(8, kStage2EpilogueBytes<S2>, 8, S2::kStage2OneStageKernel
+                                      ? kStage2Ring<S2, true> : kStage2Ring<S2>) / 1024.0);
     printf("\n");
 }
 // A wide kernel; each CTA's share of the SM is 227 KB over its CTAs per SM
@@ -48,7 +52,8 @@ void show_wide(int stage, int ctas_per_sm, int folded_bytes) {
     printf(")\n");
 }
 int main() {
-    printf("%-34s %8s %12s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048");
+    printf("%-34s %8s %12s %8s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048",
+           "K256 x8");
 #define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
     MOE_GEMM_CONFIGS(MOE_SHOW)
     MOE_SHOW_WIDE_KERNELS
