@@ -64,7 +64,8 @@ def run_ab(tmp_path, checkout, versions, **env_extra):
 
 
 @pytest.mark.parametrize("parts, builds", [(["ab"], False), (["mma"], False), (["ab", "mma"], False),
-                                           (["selfbench", "ab"], True), (["tests"], True), ([], True)])
+                                           (["routephases"], False), (["selfbench", "ab"], True), (["tests"], True),
+                                           ([], True)])
 def test_the_build_step_runs_unless_only_ab_and_mma_are_asked(tmp_path, parts, builds):
     assert ("=== build" in run_script(tmp_path, "ok", {"base.py": "ok"}, parts)) == builds
 
@@ -152,3 +153,14 @@ def test_nothing_runs_after_the_kernels_fail_to_build(tmp_path):
 def test_flush_step_times_the_checkout_and_the_base_when_there(tmp_path, versions, expected):
     out = run_script(tmp_path, "ok", versions, ["flush"], FLUSH_SHAPES="0 3")
     assert expected in out.splitlines(), out
+
+
+@pytest.mark.parametrize("env, expected", [({}, "python3 tools/route_phases.py"),
+                                           ({"ROUTE_SHAPES": "2 6"}, "python3 tools/route_phases.py 2 6")])
+def test_routephases_step_runs_the_stamped_build_on_the_named_shapes(tmp_path, env, expected):
+    out = run_script(tmp_path, "ok", {}, ["routephases"], **env)
+    assert expected in out.splitlines(), out
+
+
+def test_routephases_is_not_part_of_all(tmp_path):
+    assert "route_phases" not in run_script(tmp_path, "ok", {}, [])

@@ -2,7 +2,7 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|basetests|official|profile|host|flush|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
+#   tools/device_check.sh [tests|basetests|official|profile|host|flush|routephases|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
 #   (default: all)
 #   (tests = the GPU tests and eval.py test; PYTEST_K="EXPR" runs only the GPU tests that
 #    pytest -k EXPR selects, for a lean call; basetests = GPU tests against .ab/base.py, in a
@@ -14,6 +14,9 @@
 #    flush = each benchmark shape (those FLUSH_SHAPES names, indices 0-6; default all) timed after
 #    eval.py's L2 flush and after three variants of it (tools/flush_modes.py), for .ab/base.py
 #    and this checkout's solution.py, interleaved, when .ab/base.py is there (not part of "all");
+#    routephases = the first kernel's routing CTA phase by phase, and its Qa CTAs' span, on the
+#    benchmark shapes ROUTE_SHAPES names (indices 0-6, default "1 2 5"; tools/route_phases.py, its
+#    own stamped build, about a minute; not part of "all");
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
@@ -60,7 +63,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 # Skipped when only ab and mma are asked: ab's smoke step builds every version at
 # once (this checkout's too) and stops one that does not pass; mma's tools build their own.
-if [[ -n $(printf '%s\n' $parts | grep -v -x -e ab -e mma) ]]; then
+if [[ -n $(printf '%s\n' $parts | grep -v -x -e ab -e mma -e routephases) ]]; then
 step "build"
 # The library's path is printed too: the cache may also hold other versions' (ab).
 python3 -c "import solution, torch; backend, module = solution._backend(torch.device('cuda'))
@@ -166,6 +169,10 @@ if asked flush; then   # not part of "all": .ab/base.py against this checkout wh
   flush_versions=()
   [ -f .ab/base.py ] && flush_versions=(--versions .ab/base.py solution.py --)
   python3 tools/flush_modes.py "${flush_versions[@]}" ${FLUSH_SHAPES:-} 2>"$OUT/flush.err" | tee "$OUT/flush.log" || status=1
+fi
+if asked routephases; then   # not part of "all"
+  step "the first kernel's phases (tools/route_phases.py)"
+  python3 tools/route_phases.py ${ROUTE_SHAPES:-} 2>"$OUT/route_phases.err" | tee "$OUT/route_phases.log" || status=1
 fi
 if asked sweep; then
   step "config sweep"
