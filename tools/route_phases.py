@@ -1,18 +1,20 @@
 """Where the call's first kernel (route_and_quantize_kernel) spends its time.
 
 At 512 tokens that kernel takes about 16 us of every call (bs=512 E=257,
-d512, d2048), and with its Qa CTAs returning at once it took as long: the
-routing CTA (route_pairs, one CTA over all the pairs) is the long pole
-(BENCHMARKS, eighteenth session). Its 2 x 4,608 scattered 4-byte stores are
-not the cost: staged through shared memory, they moved the kernel by 0.0 us
-(forty-ninth session). This tool builds solution.py's kernels with stamps:
-the routing CTA's thread 0 records clock64 after each of route_pairs'
-phases (each ends at a CTA barrier) and %globaltimer at its start and end,
-and the Qa CTAs %globaltimer at their start (the earliest) and end (the
-latest). Each shape's call runs after eval.py's L2 flush; the table gives
-each phase's us (medians over the calls; cycles are converted at the
-routing CTA's own cycles per ns over its whole run, so the phases add up to
-its globaltimer span, and %globaltimer ticks by 32 ns or 1 us, by GPU).
+d512, d2048). With its Qa CTAs returning at once it took as long (BENCHMARKS,
+twentieth and twenty-first sessions, on the Qa of then), and with two Qa CTAs
+per SM too (thirty-first); the routing CTA's 2 x 4,608 scattered 4-byte
+stores are not the cost either: staged through shared memory, they moved
+the kernel by 0.0 us (forty-ninth session).
+
+This tool builds solution.py's kernels with stamps: the routing CTA's
+thread 0 records clock64 after each of route_pairs' phases (each ends at a
+CTA barrier) and %globaltimer at its start and end, and the Qa CTAs
+%globaltimer at their start (the earliest) and end (the latest). Each
+shape's call runs after eval.py's L2 flush; the table gives each phase's
+us (medians over the calls; cycles are converted at the routing CTA's own
+cycles per ns over its whole run, so the phases add up to its globaltimer
+span, and %globaltimer ticks by 32 ns or 1 us, by GPU).
 
     python tools/route_phases.py [N ...]    benchmark shapes N (0-6; default 1 2 5)
 
