@@ -718,12 +718,14 @@ PER_BLOCK_STAGE1_CONFIGS = tuple(c._replace(token_scaled=False) for c in GEMM_CO
 # of stage 2 (H200, 2026-12-03), is less than the pass costs the chain; at 32
 # the kernel spilled (at its 128-register cap).
 FOLDED_STAGE2_TOKENS = (16, 24)
-# The e4m3 configs whose stage 2 has a second kernel for d_expert up to one
-# stage (a row tile one stage: nothing of the next row tile's K to hold),
-# at one CTA per SM more and a ring of fewer slots: at 8 tokens its CTAs of
-# 8 row tiles took bs=128 E=257's stage 2 from 80.4 to 77.5 us, while at
-# d_expert 512 (two stages a row tile) the 2-slot ring cost bs=16 E=33 1.3%
-# (H200, 2026-12-04).
+# The e4m3 configs whose stage 2 has a second kernel for a K of one stage
+# (d_expert up to 256), at one CTA per SM more and a ring of fewer slots:
+# where a row tile is one stage, two slots already keep the next row tile's
+# stage loading, and the smaller ring lets the host give each CTA 8 row
+# tiles. At 8 tokens it took bs=128 E=257's stage 2 from 80.1 to 75.6 us
+# (the call 0.995, bs=16 E=257 0.994), while at d_expert 512 (two stages a
+# row tile) the same 2-slot ring had cost bs=16 E=33 1.3% (H200, 2026-12-04).
+# At 24 tokens (three CTAs of 256 threads per SM) it spilled.
 ONE_STAGE_STAGE2_TOKENS = (8,)
 
 
