@@ -66,7 +66,7 @@ def run_ab(tmp_path, checkout, versions, **env_extra):
 @pytest.mark.parametrize("parts, builds", [(["ab"], False), (["mma"], False), (["ab", "mma"], False),
                                            (["routephases"], False), (["selfbench", "ab"], True), (["tests"], True),
                                            ([], True)])
-def test_the_build_step_runs_unless_only_ab_and_mma_are_asked(tmp_path, parts, builds):
+def test_the_build_step_runs_unless_only_ab_mma_and_routephases_are_asked(tmp_path, parts, builds):
     assert ("=== build" in run_script(tmp_path, "ok", {"base.py": "ok"}, parts)) == builds
 
 

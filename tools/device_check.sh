@@ -61,8 +61,9 @@ step "device"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# Skipped when only ab and mma are asked: ab's smoke step builds every version at
-# once (this checkout's too) and stops one that does not pass; mma's tools build their own.
+# Skipped when only ab, mma and routephases are asked: ab's smoke step builds every version at
+# once (this checkout's too) and stops one that does not pass; the mma and routephases tools
+# build their own.
 if [[ -n $(printf '%s\n' $parts | grep -v -x -e ab -e mma -e routephases) ]]; then
 step "build"
 # The library's path is printed too: the cache may also hold other versions' (ab).
