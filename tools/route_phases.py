@@ -22,6 +22,7 @@ The stamped build is a copy with text edits (EDITS, each of which must
 apply exactly once, as tools/timing_variants.py's do) and one more host
 function, moe_forward_stamped (moe_forward's arguments; returns the stamps).
 """
+import hashlib
 import os
 import re
 import statistics
@@ -119,7 +120,7 @@ def build(arch: str):
     """The stamped extension, built (or loaded) in the kernel cache beside solution.py's."""
     declaration, definition = wrapper_source(solution.HOST_DECLARATION)
     source = stamped_kernel_source(solution.KERNEL_SOURCE) + solution.HOST_SOURCE + definition
-    key = __import__("hashlib").sha256("\0".join([source, declaration, arch]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, declaration, arch]).encode()).hexdigest()[:16]
     build_dir = os.path.join(solution._cache_root(), "route_phases_" + key)
     os.makedirs(build_dir, exist_ok=True)
     return solution._load_extension(f"moe_route_phases_{key}", arch, build_dir, declaration=declaration,
