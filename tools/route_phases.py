@@ -5,7 +5,8 @@ d512, d2048). With its Qa CTAs returning at once it took as long (BENCHMARKS,
 twentieth and twenty-first sessions, on the Qa of then), and with two Qa CTAs
 per SM too (thirty-first); the routing CTA's 2 x 4,608 scattered 4-byte
 stores are not the cost either: staged through shared memory, they moved
-the kernel by 0.0 us (forty-ninth session).
+the cold kernel by 0.0 us (forty-ninth session; 3.2 us off the unflushed
+one in the twenty-second, when the timed call did not follow).
 
 This tool builds solution.py's kernels with stamps: the routing CTA's
 thread 0 records clock64 after each of route_pairs' phases (each ends at a
