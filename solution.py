@@ -1280,9 +1280,8 @@ struct GemmShape {
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
                                           : FP8 ? 2 : 1;
     // The second stage-2 kernel of ONE_STAGE_STAGE2_TOKENS, for a K of one
-    // stage: one CTA per SM more (stage2_kernel's kOneStage).
+    // stage: one CTA per SM more (stage2_kernel's kOneStage, kStage2CtasPerSm).
     static constexpr bool kStage2OneStageKernel = FP8 && one_stage_stage2_tokens(kTokens);
-    static constexpr int kStage2MinBlocksOneStage = kStage2MinBlocks + (kStage2OneStageKernel ? 1 : 0);
     // Several row tiles per CTA (gemm_mainloop): not with bf16 warpgroup
     // MMAs, where zeroing the accumulators between a tile's MMAs and the
     // next tile's makes ptxas serialise every wgmma; their configs serve the
@@ -2782,13 +2781,13 @@ constexpr int kStage2EpilogueBytes = S::kTokens * kStage2YStride * (int)sizeof(f
 
 // Stage 2's pipeline ring. Its CTAs stream several row tiles of a short K
 // (stage2_row_tiles), and are sized for kStage2MinBlocks per SM
-// (kStage2MinBlocksOneStage for kOneStage): the ring has as
+// (one more for kOneStage): the ring has as
 // many slots (2..kStages) as fit that many CTAs, each with its epilogue
 // buffer, in an H100/H200 SM's 228 KB (1 KB of it reserved per CTA). bf16
 // warpgroup MMAs keep kStages (one row tile, long K).
 constexpr int kSharedBytesPerSm = 228 * 1024;
 template <typename S, bool kOneStage>
-constexpr int kStage2CtasPerSm = kOneStage ? S::kStage2MinBlocksOneStage : S::kStage2MinBlocks;
+constexpr int kStage2CtasPerSm = S::kStage2MinBlocks + (kOneStage ? 1 : 0);
 template <typename S, bool kOneStage>
 constexpr int kStage2Fit = (kSharedBytesPerSm / kStage2CtasPerSm<S, kOneStage> - 1024 - kStage2EpilogueBytes<S>
                             - S::kAlignmentSlack) / S::kStageBytes;
@@ -2892,7 +2891,7 @@ __device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& ti
 // row did not fold), and each stage votes between the token-scaled pass and
 // the per-block one (ScalePath::kVoteTokenScaled).
 // kOneStage (GemmShape::kStage2OneStageKernel, K of one stage): built for
-// kStage2MinBlocksOneStage CTAs per SM, its ring as many slots as fit them.
+// one CTA per SM more (kStage2CtasPerSm), its ring as many slots as fit them.
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8, bool kFoldedRows, bool kOneStage>
 __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kThreads,
                                   kStage2CtasPerSm<GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>, kOneStage>)
@@ -3997,8 +3996,11 @@ void launch_after_previous(void (*kernel)(Params...), dim3 grid, dim3 block, int
 }
 
 #if !defined(USE_ROCM)
-// The driver's cuTensorMapEncodeTiled, looked up once.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+// A tensor map of bytes (rank dims, dims[0] contiguous, strides the byte
+// strides of the others), through the driver's cuTensorMapEncodeTiled,
+// looked up once.
+TensorMap encode_byte_map(cuuint32_t rank, const void* base, const cuuint64_t* dims, const cuuint64_t* strides,
+                          const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
     static const auto encode = [] {
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult found;
@@ -4007,7 +4009,13 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
         TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn, "moe_mxfp4: the driver has no cuTensorMapEncodeTiled");
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     }();
-    return encode;
+    const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+    TensorMap map{};
+    const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, rank, const_cast<void*>(base), dims, strides,
+                                   box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    TORCH_CHECK(result == CUDA_SUCCESS, "moe_mxfp4: cuTensorMapEncodeTiled failed (", (int)result, ")");
+    return map;
 }
 #endif
 
@@ -4019,21 +4027,16 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // GemmShape::act_offset and weight_offset with 8-block stages; 64:
 // 64-byte, weight_offset with 4).
 TensorMap tensor_map(const void* base, int64_t rows, int bytes, int row_bytes, int box_bytes, int box_rows) {
-    TensorMap map{};
 #if !defined(USE_ROCM)
-    const auto encode = tensor_map_encoder();
     TORCH_CHECK(box_bytes == 64 || box_bytes == 128, "moe_mxfp4: TMA boxes of 64 or 128 bytes");
     const cuuint64_t dims[2] = {(cuuint64_t)bytes, (cuuint64_t)rows};
     const cuuint64_t strides[1] = {(cuuint64_t)row_bytes};
     const cuuint32_t box[2] = {(cuuint32_t)box_bytes, (cuuint32_t)box_rows};
-    const cuuint32_t element_strides[2] = {1, 1};
-    const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides,
-                                   box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                   box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    TORCH_CHECK(result == CUDA_SUCCESS, "moe_mxfp4: cuTensorMapEncodeTiled failed (", (int)result, ")");
+    return encode_byte_map(2, base, dims, strides, box,
+                           box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
+#else
+    return TensorMap{};
 #endif
-    return map;
 }
 
 // A tensor map over AITER's shuffled weight copy (shuffled_weight_offset):
@@ -4043,19 +4046,14 @@ TensorMap tensor_map(const void* base, int64_t rows, int bytes, int row_bytes, i
 // unswizzled (a chunk's 256 bytes are its 16 rows in turn).
 TensorMap shuffled_weight_map(const void* base, int64_t groups, int blocks, int64_t group_bytes, int box_blocks,
                               int box_groups) {
-    TensorMap map{};
 #if !defined(USE_ROCM)
-    const auto encode = tensor_map_encoder();
     const cuuint64_t dims[3] = {256, (cuuint64_t)blocks, (cuuint64_t)groups};
     const cuuint64_t strides[2] = {256, (cuuint64_t)group_bytes};
     const cuuint32_t box[3] = {256, (cuuint32_t)box_blocks, (cuuint32_t)box_groups};
-    const cuuint32_t element_strides[3] = {1, 1, 1};
-    const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides,
-                                   box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    TORCH_CHECK(result == CUDA_SUCCESS, "moe_mxfp4: cuTensorMapEncodeTiled failed (", (int)result, ")");
+    return encode_byte_map(3, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+#else
+    return TensorMap{};
 #endif
-    return map;
 }
 
 __nv_bfloat16* bf16_ptr(const torch::Tensor& t) {

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(256) stream_kernel(const uint8_t* __restrict__
 
 # The kernels' tensor-map helper and the check macro it uses, taken from
 # solution.py's host source so that raw_2d reads through the same map.
-_TENSOR_MAP = (re.search(r"#if !defined\(USE_ROCM\)\n// The driver's cuTensorMapEncodeTiled.*?#endif\n",
+_TENSOR_MAP = (re.search(r"#if !defined\(USE_ROCM\)\n// A tensor map of bytes .*?#endif\n",
                          solution.HOST_SOURCE, re.S).group(0)
                + re.search(r"TensorMap tensor_map\(.*?\n}\n", solution.HOST_SOURCE, re.S).group(0))
 _CHECK = re.search(r"#define MOE_CUDA_CHECK.*?while \(0\)\n", solution.HOST_SOURCE, re.S).group(0)
