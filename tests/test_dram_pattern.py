@@ -2,11 +2,9 @@
 each copy pattern issues its copy instruction (no GPU needed); on an sm_90
 GPU, the tool runs and prints a row per pattern and ring."""
 import os
-import shutil
-import subprocess
 import sys
 
-import pytest
+import microbenchmarks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import dram_pattern  # noqa: E402
@@ -18,8 +16,7 @@ COPY_INSTRUCTION = {0: "UTMALDG", 1: "UBLKCP", 2: "UBLKCP", 3: "UBLKCP", 4: "LDG
 
 
 def test_every_pattern_builds_for_sm90a_and_issues_its_copies(tmp_path):
-    if shutil.which("nvcc") is None or shutil.which("cuobjdump") is None:
-        pytest.skip("nvcc or cuobjdump not on PATH")
+    microbenchmarks.skip_without_nvcc_and_cuobjdump()
     returncode, report = kernel_resources.ptxas_report(str(tmp_path), dram_pattern.KERNEL_SOURCE + "".join(
         f"template __global__ void moe::stream_kernel<{p}>(const uint8_t*, int, int, int, const __grid_constant__ "
         f"moe::TensorMap, float*);\n" for p in range(len(dram_pattern.PATTERNS))))
@@ -36,13 +33,8 @@ def test_every_pattern_builds_for_sm90a_and_issues_its_copies(tmp_path):
 
 
 def test_the_tool_runs_on_sm90():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
-    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(dram_pattern.__file__), "dram_pattern.py"),
-                          "--experts", "33", "--reps", "1"], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line.split() for line in run.stdout.splitlines()[2:]]
+    lines = microbenchmarks.run_on_sm90(dram_pattern.__file__, "--experts", "33", "--reps", "1")
+    rows = [line.split() for line in lines[2:]]
     expected = [(dram_pattern.PATTERNS[p], str(r), str(s), str(c)) for p, r, s, c in dram_pattern.rows_to_time()]
     assert [tuple(row[:4]) for row in rows] == expected
     assert all(float(row[5]) > 0 for row in rows)

@@ -1,11 +1,9 @@
 """tools/wgmma_chain.py: its kernels build for sm_90a and issue the MMAs each
 order names (no GPU needed); on an sm_90 GPU, the tool runs."""
 import os
-import shutil
-import subprocess
 import sys
 
-import pytest
+import microbenchmarks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import kernel_resources  # noqa: E402
@@ -16,8 +14,7 @@ EXPECTED_SHAPE = {0: "64x{n}x32", 1: "64x{n}x32", 2: "64x{n}x32", 3: "64x{h}x32"
 
 
 def test_every_mode_builds_for_sm90a_and_issues_its_mmas(tmp_path):
-    if shutil.which("nvcc") is None or shutil.which("cuobjdump") is None:
-        pytest.skip("nvcc or cuobjdump not on PATH")
+    microbenchmarks.skip_without_nvcc_and_cuobjdump()
     returncode, report = kernel_resources.ptxas_report(str(tmp_path), wgmma_chain.KERNEL_SOURCE + "".join(
         f"template void moe::launch<{n}, {m}>(int, int, long long*, float*, cudaStream_t);\n"
         for n in wgmma_chain.TOKENS for m in range(len(wgmma_chain.MODES))))
@@ -31,12 +28,7 @@ def test_every_mode_builds_for_sm90a_and_issues_its_mmas(tmp_path):
 
 
 def test_the_tool_runs_on_sm90():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
-    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(wgmma_chain.__file__), "wgmma_chain.py"),
-                          "--steps", "64", "--tokens", "64"], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line.split() for line in run.stdout.splitlines()[1:]]
+    lines = microbenchmarks.run_on_sm90(wgmma_chain.__file__, "--steps", "64", "--tokens", "64")
+    rows = [line.split() for line in lines[1:]]
     assert [row[1] for row in rows] == list(wgmma_chain.MODES)
     assert all(float(row[2]) > 0 for row in rows)

@@ -2,11 +2,9 @@
 serialised MMAs, each issuing the folded consumers' e4m3 MMAs and only the
 loads its feed names (no GPU needed); on an sm_90 GPU, the tool runs."""
 import os
-import shutil
-import subprocess
 import sys
 
-import pytest
+import microbenchmarks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import kernel_resources  # noqa: E402
@@ -18,8 +16,7 @@ EXPECTED_LOADS = {"static": (False, False), "no_fold": (False, False), "weights"
 
 
 def test_every_feed_builds_for_sm90a_and_issues_its_loads(tmp_path):
-    if shutil.which("nvcc") is None or shutil.which("cuobjdump") is None:
-        pytest.skip("nvcc or cuobjdump not on PATH")
+    microbenchmarks.skip_without_nvcc_and_cuobjdump()
     returncode, report = kernel_resources.ptxas_report(str(tmp_path), wide_stage_loop.solution.KERNEL_SOURCE
                                                        + wide_stage_loop.LOOP_KERNEL_SOURCE + "".join(
         f"template void moe::launch_loop<{n}, {f}>(int, int, const uint8_t*, const uint8_t*, const moe::TensorMap&, "
@@ -40,13 +37,8 @@ def test_every_feed_builds_for_sm90a_and_issues_its_loads(tmp_path):
 
 
 def test_the_tool_runs_on_sm90():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
-    run = subprocess.run([sys.executable, wide_stage_loop.__file__, "--units", "2", "--tokens", "64"],
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [line.split() for line in run.stdout.splitlines()[1:]]
+    lines = microbenchmarks.run_on_sm90(wide_stage_loop.__file__, "--units", "2", "--tokens", "64")
+    rows = [line.split() for line in lines[1:]]
     assert [row[1] for row in rows] == list(wide_stage_loop.FEEDS)
     assert all(float(row[2]) >= 4 * 64 * 0.9 for row in rows)   # no faster than the tensor cores' bound
     assert [row[-1] for row in rows] == ["-" if feed == "no_fold" else "ok" for feed in wide_stage_loop.FEEDS]
