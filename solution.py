@@ -1105,6 +1105,25 @@ __device__ __forceinline__ void tma_load_weights_2d(void* dst, const TensorMap* 
     __trap();
 #endif
 }
+// Stage 1's K-slice partial sums (fp32 (gate, up) pairs), stored
+// L2-evict-last: the weights streaming past then push them out (and their
+// write-backs compete with the weights' reads) only after the L2's other
+// lines, if at all before swiglu_quantize_kernel reads them. The 8-token
+// stage 1 at bs=128 E=257 (9.4 MB of them) took 3.5-4.5 us less so, that
+// call 0.988-0.990, bs=16 E=33 0.991-0.993 (H200, 2026-12-04). Dropping
+// them from the L2 once read (discard.global.L2) shortened the d512 stage 2
+// by 1.5-4 us but lengthened the small shapes' fix-up by 1-2 us, even when
+// only a kernel argument kept it from running there: not done.
+__device__ __forceinline__ void store_partial(float2* dst, float2 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+    asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;\n"
+                 :: "l"(dst), "f"(v.x), "f"(v.y), "l"(policy) : "memory");
+#else
+    *dst = v;
+#endif
+}
 // Until the barrier's phase of the given parity has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, int parity) {
 #ifdef MOE_HAS_WGMMA
@@ -2618,9 +2637,9 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                 for (int j = 0; j < 2; ++j) {
                     const int token = first_token + nt * 8 + 2 * t + j;
                     if (token < tile.rows)
-                        out[(size_t)(tile.row_start + token) * d_expert_pad + col0
-                            + (first_row / 16 + mt * (S::kMTileStride / 16)) * 8 + g] =
-                            make_float2(acc[mt][nt][j], acc[mt][nt][2 + j]);
+                        store_partial(out + (size_t)(tile.row_start + token) * d_expert_pad + col0
+                                          + (first_row / 16 + mt * (S::kMTileStride / 16)) * 8 + g,
+                                      make_float2(acc[mt][nt][j], acc[mt][nt][2 + j]));
                 }
         return;
     }
@@ -3861,8 +3880,9 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                 for (int j = 0; j < 2; ++j) {
                     const int token = nt * 8 + 2 * t + j;
                     if (token < unit.tile.rows)
-                        out[(size_t)(unit.tile.row_start + token) * d_expert_pad + unit.col0 + local_col] =
-                            make_float2(acc[nt][j], acc[nt][2 + j]);
+                        store_partial(out + (size_t)(unit.tile.row_start + token) * d_expert_pad + unit.col0
+                                          + local_col,
+                                      make_float2(acc[nt][j], acc[nt][2 + j]));
                 }
             continue;
         }
