@@ -11,11 +11,14 @@ one in the twenty-second, when the timed call did not follow).
 This tool builds solution.py's kernels with stamps: the routing CTA's
 thread 0 records clock64 after each of route_pairs' phases (each ends at a
 CTA barrier) and %globaltimer at its start and end, and the Qa CTAs
-%globaltimer at their start (the earliest) and end (the latest). Each
-shape's call runs after eval.py's L2 flush; the table gives each phase's
-us (medians over the calls; cycles are converted at the routing CTA's own
-cycles per ns over its whole run, so the phases add up to its globaltimer
-span, and %globaltimer ticks by 32 ns or 1 us, by GPU).
+%globaltimer at their start (the earliest) and end (the latest: one
+atomicMax per CTA, after a barrier; with one per warp, 16 K atomics on one
+word at 512 tokens, the latest end read 20 us where the unstamped kernel
+takes 16.4, H200, 2026-12-04). Each shape's call runs after eval.py's L2
+flush; the table gives each phase's us (medians over the calls; cycles are
+converted at the routing CTA's own cycles per ns over its whole run, so the
+phases add up to its globaltimer span, and %globaltimer ticks by 32 ns or
+1 us, by GPU).
 
     python tools/route_phases.py [N ...]    benchmark shapes N (0-6; default 1 2 5)
 
@@ -81,7 +84,8 @@ EDITS = (
      "    else\n"
      "        quantize_hidden_columns<kFp8>(hidden, d_hidden, d_hidden_pad, act, act_scale, accumulator, blockIdx.x - 1,\n"
      "                                      blockIdx.y * kPrepareColumns + threadIdx.x * 8);\n"
-     "    if ((threadIdx.x & 31) == 0) atomicMax(&moe_route_stamps[9], moe_globaltimer());\n"),
+     "    __syncthreads();\n"
+     "    if (threadIdx.x == 0) atomicMax(&moe_route_stamps[9], moe_globaltimer());\n"),
 )
 
 
