@@ -1108,9 +1108,9 @@ __device__ __forceinline__ void tma_load_weights_2d(void* dst, const TensorMap* 
 // Stage 1's K-slice partial sums (fp32 (gate, up) pairs), stored
 // L2-evict-last: the weights streaming past then push them out (and their
 // write-backs compete with the weights' reads) only after the L2's other
-// lines, if at all before swiglu_quantize_kernel reads them. The 8-token
-// stage 1 at bs=128 E=257 (9.4 MB of them) took 3.5-4.5 us less so, that
-// call 0.988-0.990, bs=16 E=33 0.991-0.993 (H200, 2026-12-04). Dropping
+// lines, if at all before swiglu_quantize_kernel reads them: bs=128 E=257
+// took 2.5-2.9 us less a call so (0.988-0.990, its 8-token stage 1
+// shorter), bs=16 E=33 0.991-0.993 (H200, 2026-12-04). Dropping
 // them from the L2 once read (discard.global.L2) shortened the d512 stage 2
 // by 1.5-4 us but lengthened the small shapes' fix-up by 1-2 us, even when
 // only a kernel argument kept it from running there: not done.
