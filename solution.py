@@ -1110,10 +1110,7 @@ __device__ __forceinline__ void tma_load_weights_2d(void* dst, const TensorMap* 
 // write-backs compete with the weights' reads) only after the L2's other
 // lines, if at all before swiglu_quantize_kernel reads them: bs=128 E=257
 // took 2.5-2.9 us less a call so (0.988-0.990, its 8-token stage 1
-// shorter), bs=16 E=33 0.991-0.993 (H200, 2026-12-04). Dropping
-// them from the L2 once read (discard.global.L2) shortened the d512 stage 2
-// by 1.5-4 us but lengthened the small shapes' fix-up by 1-2 us, even when
-// only a kernel argument kept it from running there: not done.
+// shorter), bs=16 E=33 0.991-0.993 (H200, 2026-12-04).
 __device__ __forceinline__ void store_partial(float2* dst, float2 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     uint64_t policy;
@@ -2680,8 +2677,18 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
 // The loads need not wait for the routed-pair count: row addresses are
 // clamped to partial's last row and slice indices to the last slice, and
 // what those clamped loads bring is not added.
+// kDropLines, for partial sums too large to stay in the L2 (d512's 37.7 MB):
+// each line is dropped once read (discard.global.L2), so the dead dirty
+// lines are not written back while stage 2 streams its weights (d512's
+// stage 2 1.5-3 us shorter, H200). The small shapes keep the plain form: the
+// drops there cost their fix-up 1-2 us, even behind a runtime argument.
 constexpr int kSwigluWarps = 8, kSwigluLoads = 8;
-template <bool kFp8, int kRows>
+__device__ __forceinline__ void drop_l2_line(const void* line) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("discard.global.L2 [%0], 128;\n" :: "l"(line) : "memory");
+#endif
+}
+template <bool kFp8, int kRows, bool kDropLines>
 __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
         const float2* __restrict__ partial, int splits, int num_pairs, const int* __restrict__ expert_offsets,
         int n_experts, int d_expert, int d_expert_pad, uint8_t* __restrict__ inter, float* __restrict__ inter_scale) {
@@ -2704,7 +2711,10 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
 #pragma unroll
         for (int i = 0; i < kSlices; ++i)
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) v[i][r] = rows[r][min(z0 + i, splits - 1) * slice_stride];
+            for (int r = 0; r < kRows; ++r) {
+                const float2* value = rows[r] + min(z0 + i, splits - 1) * slice_stride;
+                v[i][r] = kDropLines ? __ldcs(value) : *value;
+            }
 #pragma unroll
         for (int i = 0; i < kSlices; ++i)
 #pragma unroll
@@ -2713,6 +2723,18 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
                     sum[r].x += v[i][r].x;
                     sum[r].y += v[i][r].y;
                 }
+        if constexpr (kDropLines) {
+            // Every lane has its values (the sums above used them); lanes 0
+            // and 16 each drop one of the warp's two 128-byte lines.
+            __syncwarp();
+            if ((lane & 15) == 0) {
+#pragma unroll
+                for (int i = 0; i < kSlices; ++i)
+#pragma unroll
+                    for (int r = 0; r < kRows; ++r)
+                        if (z0 + i < splits && row0 + r < num_pairs) drop_l2_line(rows[r] + (z0 + i) * slice_stride);
+            }
+        }
     }
     float v[kRows];
     uint8_t* dst[kRows];
@@ -3053,8 +3075,11 @@ MOE_ONE_STAGE_STAGE2_CONFIGS(MOE_INSTANTIATE_ONE_STAGE)
     MOE_INSTANTIATE_SWIGLU(FP8, 2)                                                                         \
     MOE_INSTANTIATE_SWIGLU(FP8, 4)
 #define MOE_INSTANTIATE_SWIGLU(FP8, ROWS)                                                                  \
-    template __global__ void swiglu_quantize_kernel<FP8, ROWS>(const float2*, int, int, const int*, int, int, \
-                                                               int, uint8_t*, float*);
+    MOE_INSTANTIATE_SWIGLU_FORM(FP8, ROWS, false)                                                          \
+    MOE_INSTANTIATE_SWIGLU_FORM(FP8, ROWS, true)
+#define MOE_INSTANTIATE_SWIGLU_FORM(FP8, ROWS, DROP)                                                       \
+    template __global__ void swiglu_quantize_kernel<FP8, ROWS, DROP>(const float2*, int, int, const int*, int, \
+                                                                     int, int, uint8_t*, float*);
 MOE_INSTANTIATE_QA(false)
 MOE_INSTANTIATE_QA(true)
 MOE_INSTANTIATE_ROUTE(false, true)
@@ -3062,6 +3087,7 @@ MOE_INSTANTIATE_ROUTE(true, true)
 #undef MOE_INSTANTIATE_QA
 #undef MOE_INSTANTIATE_ROUTE
 #undef MOE_INSTANTIATE_SWIGLU
+#undef MOE_INSTANTIATE_SWIGLU_FORM
 
 }  // namespace moe
 """
@@ -4259,9 +4285,17 @@ void launch_swiglu_quantize(const MoeCall& c, const Stage1Slices& slices) {
     auto fills = [&](int rows_per_warp) {
         return (c.num_pairs + rows_per_warp - 1) / rows_per_warp * column_blocks >= 8LL * sm_count();
     };
-    if (splits <= kSwigluLoads / 4 && fills(4)) launch(swiglu_quantize_kernel<FP8, 4>, 4);
-    else if (splits <= kSwigluLoads / 2 && fills(2)) launch(swiglu_quantize_kernel<FP8, 2>, 2);
-    else launch(swiglu_quantize_kernel<FP8, 1>, 1);
+    auto launch_form = [&](auto drop_lines) {
+        constexpr bool kDrop = decltype(drop_lines)::value;
+        if (splits <= kSwigluLoads / 4 && fills(4)) launch(swiglu_quantize_kernel<FP8, 4, kDrop>, 4);
+        else if (splits <= kSwigluLoads / 2 && fills(2)) launch(swiglu_quantize_kernel<FP8, 2, kDrop>, 2);
+        else launch(swiglu_quantize_kernel<FP8, 1, kDrop>, 1);
+    };
+    // The drop form where the partial sums would fill more than half the L2.
+    if (slices.partial.nbytes() > (size_t)at::cuda::getCurrentDeviceProperties()->l2CacheSize / 2)
+        launch_form(std::true_type{});
+    else
+        launch_form(std::false_type{});
 }
 // Every expert's gate and up rows, in boxes of half a CTA's rows: the wide
 // stage 1's, and the plain (per-block) stage1_kernel's, on the raw rows.
