@@ -551,11 +551,41 @@ __device__ __forceinline__ int2 block_exclusive_scan(int2 value, int2* warp_tota
     return prefix;
 }
 
+// A GEMM tile: its expert, first sorted row and rows. The routing's table
+// holds each as (expert | rows << kTileRowsShift, first row), so that a CTA
+// has its whole tile from one entry: with the rows read from the expert's
+// end offset instead, each narrow GEMM CTA began with three dependent loads
+// (the tile count, the entry, expert_offsets[expert + 1]) before its first
+// copy, and the wide kernels read that offset for every tile (bs=128 E=33
+// 0.987, bs=16 E=33 0.993, bs=128 E=257 0.996 so; H200). The host checks
+// that experts and tile widths fit their bits.
+struct Tile {
+    int expert, row_start, rows;
+};
+constexpr int kTileRowsShift = 20;
+static_assert(kMaxExperts <= 1 << kTileRowsShift, "a tile entry's expert bits");
+__device__ __forceinline__ int2 pack_tile(int expert, int row_start, int rows) {
+    return make_int2(expert | rows << kTileRowsShift, row_start);
+}
+__device__ __forceinline__ Tile decode_tile(int2 entry) {
+    return Tile{entry.x & ((1 << kTileRowsShift) - 1), entry.y, entry.x >> kTileRowsShift};
+}
+__device__ __forceinline__ Tile tile_at(const int2* tiles, int i) { return decode_tile(tiles[i]); }
+// The CTA's tile (blockIdx.x), false past the routing's tile count. The
+// entry is read after the count's test, a second round trip: read with the
+// count (volatile reads, which ptxas does not sink below the test) it took
+// bs=128 E=257 1.3% longer (stage 1 1-2 us; H200).
+__device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles) {
+    if ((int)blockIdx.x >= *num_tiles) return false;
+    tile = tile_at(tiles, blockIdx.x);
+    return true;
+}
+
 // Run by one CTA (the first of route_and_quantize_kernel, 1024 threads).
 // Counts the (token, slot) pairs of each expert, writes expert_offsets[E+1],
 // the pairs sorted by expert (as each pair's token and routing weight, so
-// that a GEMM reads either with one load), and the tile table (expert, first
-// sorted row) of tiles of tile_tokens rows that both GEMM stages walk. Ids
+// that a GEMM reads either with one load), and the tile table of tiles of
+// tile_tokens rows that both GEMM stages walk (pack_tile's entries). Ids
 // outside [0, E) are counted in bad_ids and skipped, so no kernel ever
 // indexes out of bounds. Order within an expert is not fixed: every row of a
 // GEMM tile is computed independently of the others.
@@ -622,7 +652,10 @@ __device__ void route_pairs(
 
     for (int e = tid; e < n_experts; e += blockDim.x) {
         const int n = (counts[e] + tile_tokens - 1) / tile_tokens;
-        for (int j = 0; j < n; ++j) tiles[tile_base[e] + j] = make_int2(e, cursor[e] + j * tile_tokens);
+        for (int j = 0; j < n; ++j) {
+            const int offset = j * tile_tokens;
+            tiles[tile_base[e] + j] = pack_tile(e, cursor[e] + offset, min(tile_tokens, counts[e] - offset));
+        }
     }
     __syncthreads();
     for (int p0 = tid; p0 < num_pairs; p0 += kPairsAhead * blockDim.x) {
@@ -2102,23 +2135,6 @@ __device__ __forceinline__ bool gemm_mainloop(
     return kChecked && __any_sync(0xFFFFFFFFu, saw_wide_scale != 0);
 }
 
-// The tile this CTA works on: expert, first sorted row, rows in the tile.
-struct Tile {
-    int expert, row_start, rows;
-};
-// Tile i of a routing table of tiles of tile_tokens rows.
-__device__ __forceinline__ Tile tile_at(const int2* tiles, int i, const int* expert_offsets, int tile_tokens) {
-    const int2 entry = tiles[i];
-    return Tile{entry.x, entry.y, min(tile_tokens, expert_offsets[entry.x + 1] - entry.y)};
-}
-// The CTA's tile (blockIdx.x), false past the routing's tile count.
-__device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles,
-                                          const int* expert_offsets, int tile_tokens) {
-    if ((int)blockIdx.x >= *num_tiles) return false;
-    tile = tile_at(tiles, blockIdx.x, expert_offsets, tile_tokens);
-    return true;
-}
-
 }  // namespace moe
 """
 
@@ -2524,8 +2540,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
                                   GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kStage1MinBlocks) stage1_kernel(
         const uint8_t* __restrict__ gate_up_weight, const uint8_t* __restrict__ gate_up_scale,
         const uint8_t* __restrict__ act, const float* __restrict__ act_scale, const float* __restrict__ token_scale,
-        const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
-        const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
+        const int* __restrict__ sorted_tokens, const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks,
         uint8_t* __restrict__ inter, float* __restrict__ inter_scale, float2* __restrict__ partial, int num_pairs,
         const __grid_constant__ TensorMap weight_map) {
@@ -2544,11 +2559,11 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     wait_for_previous_kernel();
     let_next_kernel_launch();
     Tile tile;
-    if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
-    // Opaque to ptxas: otherwise it carried the expert's end offset across K
-    // to rederive the row count in the epilogue, a spill at the 24-token
-    // kernels' 128-register cap.
-    asm volatile("" : "+r"(tile.rows));
+    if (!load_tile(tile, tiles, num_tiles)) return;
+    // Opaque to ptxas: otherwise it kept what these derive from across K to
+    // rederive them in the epilogue, a spill at the 24- and 32-token
+    // kernels' register caps.
+    asm volatile("" : "+r"(tile.rows), "+r"(tile.expert));
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int col0 = blockIdx.y * kStage1Columns;
     // (The e4m3 kernels' expressions as they were: the 24-token kernel, at
@@ -2940,7 +2955,7 @@ stage2_kernel(
         const uint8_t* __restrict__ down_weight, const uint8_t* __restrict__ down_scale,
         const uint8_t* __restrict__ inter, const float* __restrict__ inter_scale,
         const int* __restrict__ sorted_tokens, const float* __restrict__ sorted_weights,
-        const int* __restrict__ expert_offsets, const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
+        const int2* __restrict__ tiles, const int* __restrict__ num_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int row_tiles, float* __restrict__ accumulator,
         const float* __restrict__ inter_factor,
         const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
@@ -2950,7 +2965,7 @@ stage2_kernel(
     wait_for_previous_kernel();
     let_next_kernel_launch();
     Tile tile;
-    if (!load_tile(tile, tiles, num_tiles, expert_offsets, S::kTokens)) return;
+    if (!load_tile(tile, tiles, num_tiles)) return;
     const int tid = threadIdx.x;
     const int row0 = blockIdx.y * row_tiles * kRows;
     const int cta_tiles = min(row_tiles, (d_hidden - row0 + kRows - 1) / kRows);   // at least 1 (the grid)
@@ -3039,13 +3054,13 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
 // CI build check) produces and reports every kernel.
 #define MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, FOLDED)                                     \
     template __global__ void stage1_kernel<NT, MT, WT, SB, STAGES, WG, FP8, FOLDED>(const uint8_t*,        \
-        const uint8_t*, const uint8_t*, const float*, const float*, const int*, const int*, const int2*,   \
+        const uint8_t*, const uint8_t*, const float*, const float*, const int*, const int2*,               \
         const int*, int, int, int, int, int, uint8_t*, float*, float2*, int, const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE_FOLDED(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, true)
 #define MOE_INSTANTIATE_STAGE2(NT, MT, WT, SB, STAGES, WG, FP8, FOLDED, ONE_STAGE)                          \
     template __global__ void stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, FOLDED, ONE_STAGE>(const uint8_t*, \
-        const uint8_t*, const uint8_t*, const float*, const int*, const float*, const int*, const int2*,   \
+        const uint8_t*, const uint8_t*, const float*, const int*, const float*, const int2*,               \
         const int*, int, int, int, int, int, float*, const float*, const __grid_constant__ TensorMap,      \
         const __grid_constant__ TensorMap);
 #define MOE_INSTANTIATE(NT, MT, WT, SB, STAGES, WG, FP8, MT2)                                               \
@@ -3497,7 +3512,7 @@ template <int kTokens, bool kFolded>
 __global__ void __launch_bounds__(WideStage2<kTokens>::threads(kFolded), WideTraits<kTokens>::kCtasPerSm)
 stage2_wide_kernel(
         const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
-        const float* __restrict__ sorted_weights, const int* __restrict__ expert_offsets,
+        const float* __restrict__ sorted_weights,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator,
         int* __restrict__ stage2_redo,
@@ -3525,8 +3540,8 @@ stage2_wide_kernel(
     const int first_item = (int)(blockIdx.x * items / gridDim.x);
     const int cta_tiles = (int)((blockIdx.x + 1) * items / gridDim.x) - first_item;
     if (cta_tiles <= 0) return;
-    // Row tile i's table entry (expert, first sorted row) and first output row.
-    auto entry_of = [&](int i) { return wide_tiles[(first_item + i) / grid_rows]; };
+    // Row tile i's tile and first output row.
+    auto tile_of = [&](int i) { return tile_at(wide_tiles, (first_item + i) / grid_rows); };
     auto row_of = [&](int i) { return (first_item + i) % grid_rows * kRows; };
     uint8_t* smem = align_shared<1024>(smem_base);   // the stages' swizzle
     float* y = reinterpret_cast<float*>(smem + kRing * W::kStageBytes);
@@ -3553,15 +3568,15 @@ stage2_wide_kernel(
 
     if (warp == W::kConsumerWarps) {   // the loads
         const int scale_len = d_expert_pad / kScaleBlock;
-        int2 entry;
+        Tile tile{};
         int row = 0;
         for (int s = 0; s < n_stages; ++s) {
             const int slot = s % kRing, first_block = s % tile_stages * SB;
             if (first_block == 0) {   // the next row tile
-                entry = entry_of(s / tile_stages);
+                tile = tile_of(s / tile_stages);
                 row = row_of(s / tile_stages);
             }
-            const uint8_t* scale = down_scale + ((size_t)entry.x * d_hidden_pad + row) * scale_len;
+            const uint8_t* scale = down_scale + ((size_t)tile.expert * d_hidden_pad + row) * scale_len;
             if (s >= kRing) mbarrier_wait(&empty[slot], (s / kRing - 1) & 1);
             uint8_t* base = smem + slot * W::kStageBytes;
             if (lane == 0) {
@@ -3570,14 +3585,15 @@ stage2_wide_kernel(
                 // zeros), computed and discarded.
                 mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + kActBytes);
                 tma_load_weights_2d(base + W::kWeightOffset, &weight_map, first_block * 16,
-                                    entry.x * d_hidden_pad + row, &full[slot]);
+                                    tile.expert * d_hidden_pad + row, &full[slot]);
                 if constexpr (kFolded)
-                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, entry.y, &full[slot]);
+                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, tile.row_start,
+                                &full[slot]);
                 else
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
                         tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,
-                                    (first_block * kScaleBlock + h * 64) * 2, entry.y, &full[slot]);
+                                    (first_block * kScaleBlock + h * 64) * 2, tile.row_start, &full[slot]);
             }
             // Rows lane + 32i: their four scale bytes, zero past k_blocks.
             const int valid_bytes = min(SB, k_blocks - first_block);
@@ -3596,8 +3612,7 @@ stage2_wide_kernel(
             const int epilogue_warp = warp - W::kConsumerWarps - 1;
             constexpr int kSlots = (kTokens + 32 * kEpilogueWarps - 1) / (32 * kEpilogueWarps);
             for (int row_tile = 0; row_tile < cta_tiles; ++row_tile) {
-                const int2 entry = entry_of(row_tile);
-                const Tile tile{entry.x, entry.y, min(kTokens, expert_offsets[entry.x + 1] - entry.y)};
+                const Tile tile = tile_of(row_tile);
                 const TokenLookup<kSlots> lookup = look_up_tokens<kSlots>(tile, epilogue_warp, kEpilogueWarps, lane,
                                                                           sorted_tokens, sorted_weights);
                 named_barrier_sync(kYFull, kYThreads);
@@ -3617,20 +3632,17 @@ stage2_wide_kernel(
     for (int nt = 0; nt < kTokens / 8; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
-    // The epilogues' tiles, looked up a row tile ahead: the table entry
-    // before the row tile's MMAs, its expert's end after the previous
-    // epilogue, so that these two dependent loads are not on each row tile's
-    // critical path (stage 2 at bs=512 E=33 d2048: 316 us against 320).
-    // Only where the consumers add (no epilogue warps, which look their
-    // tiles up themselves); elsewhere ptxas drops them.
-    int2 entry = entry_of(0);
-    int expert_end = expert_offsets[entry.x + 1];
+    // The epilogues' tiles, looked up a row tile ahead (before the row
+    // tile's MMAs), so that the load is not on each row tile's critical path
+    // (stage 2 at bs=512 E=33 d2048: 316 us against 320). Only where the
+    // consumers add (no epilogue warps, which look their tiles up
+    // themselves); elsewhere ptxas drops it.
+    Tile tile = tile_of(0);
     // Row tiles, each its stages and then its epilogue (one loop over all
     // stages, with the epilogue inside, made ptxas wait for every stage's
     // last MMAs, C7517).
     for (int row_tile = 0, s = 0; row_tile < cta_tiles; ++row_tile) {
-        const int2 next_entry = entry_of(min(row_tile + 1, cta_tiles - 1));
-        const Tile tile{entry.x, entry.y, min(kTokens, expert_end - entry.y)};
+        const Tile next_tile = tile_of(min(row_tile + 1, cta_tiles - 1));
         static_assert(kTokens <= W::kConsumerWarps * 32, "look_up_tokens: a token per lane");
         TokenLookup<1> lookup{};
         if constexpr (kEpilogueWarps == 0)
@@ -3667,8 +3679,7 @@ stage2_wide_kernel(
             named_barrier_sync(1, W::kConsumerWarps * 32);
             add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, d_hidden_pad, warp,
                                  W::kConsumerWarps, lane);
-            entry = next_entry;
-            expert_end = expert_offsets[entry.x + 1];
+            tile = next_tile;
             named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
         }
     }
@@ -3699,8 +3710,7 @@ stage2_wide_kernel(
 template <int kTokens, bool kFolded>
 __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm1) stage1_wide_kernel(
         const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
-        const float* __restrict__ token_scale,
-        const int* __restrict__ sorted_tokens, const int* __restrict__ expert_offsets,
+        const float* __restrict__ token_scale, const int* __restrict__ sorted_tokens,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, int split_blocks, int columns,
         int slices, uint8_t* __restrict__ inter, float2* __restrict__ partial, int num_pairs,
@@ -3733,7 +3743,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
     };
     auto unit_at = [&](int u) {
         Unit unit;
-        unit.tile = tile_at(wide_tiles, u % num_tiles, expert_offsets, kTokens);
+        unit.tile = tile_at(wide_tiles, u % num_tiles);
         unit.col0 = u / num_tiles % columns * kStage1Columns;
         unit.first_block = u / (num_tiles * columns) * split_blocks;
         unit.k_blocks = min(split_blocks, total_blocks - unit.first_block);
@@ -3930,7 +3940,7 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
 // width, bf16 and folded.
 #define MOE_INSTANTIATE_WIDE_STAGE1(N, FOLDED)                                                                  \
     template __global__ void stage1_wide_kernel<N, FOLDED>(const uint8_t*, const uint8_t*, const float*,         \
-        const int*, const int*, const int2*, const int*, int, int, int, int, int, int, int, uint8_t*, float2*,   \
+        const int*, const int2*, const int*, int, int, int, int, int, int, int, uint8_t*, float2*,               \
         int, int*, const __grid_constant__ TensorMap);
 MOE_INSTANTIATE_WIDE_STAGE1(48, false)
 MOE_INSTANTIATE_WIDE_STAGE1(48, true)
@@ -3940,7 +3950,7 @@ MOE_INSTANTIATE_WIDE_STAGE1(144, false)
 MOE_INSTANTIATE_WIDE_STAGE1(144, true)
 #undef MOE_INSTANTIATE_WIDE_STAGE1
 #define MOE_INSTANTIATE_WIDE_STAGE2(N, FOLDED)                                                                 \
-    template __global__ void stage2_wide_kernel<N, FOLDED>(const uint8_t*, const int*, const float*, const int*, \
+    template __global__ void stage2_wide_kernel<N, FOLDED>(const uint8_t*, const int*, const float*,             \
         const int2*, const int*, int, int, int, int, float*, int*, const __grid_constant__ TensorMap,          \
         const __grid_constant__ TensorMap);
 MOE_INSTANTIATE_WIDE_STAGE2(48, false)
@@ -4345,7 +4355,7 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), slices.count()),
         S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
-        c.act.token_scales(), c.sorted_tokens, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
+        c.act.token_scales(), c.sorted_tokens, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
         c.d_expert, c.d_expert_pad, slices.blocks, c.inter.bytes(), c.inter.scales(), slices.partial_ptr(), c.num_pairs,
         // The folded form reads the shuffled copy (stage1_kernel's kShuffledStage1).
         S::kStage1WeightBoxes == 0 ? TensorMap{} : folded ? gate_up_shuffled_map(c, SB) : gate_up_map(c, SB));
@@ -4371,7 +4381,7 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
         launch_after_previous(kernel, dim3(t.max_tiles, (grid_rows + row_tiles - 1) / row_tiles), S::kThreads,
             shared_bytes(k_blocks, row_tiles), c.stream,
             c.down_weight.data_ptr<uint8_t>(), c.down_scale.data_ptr<uint8_t>(), c.inter.bytes(), c.inter.scales(),
-            c.sorted_tokens, c.sorted_weights, c.expert_offsets, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
+            c.sorted_tokens, c.sorted_weights, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
             c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(), c.inter_factor,
             S::kStage2WeightBoxes > 0 ? down_map(c, SB) : TensorMap{},
             S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
@@ -4439,7 +4449,7 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     auto launch = [&](auto kernel, int shared_bytes, int stage_blocks, const uint8_t* act, const float* token_scale,
                       const int* num_tiles) {
         launch_after_previous(kernel, grid, W::kThreads, shared_bytes, c.stream,
-            c.gate_up_scale.data_ptr<uint8_t>(), act, token_scale, c.sorted_tokens, c.expert_offsets, t.tiles,
+            c.gate_up_scale.data_ptr<uint8_t>(), act, token_scale, c.sorted_tokens, t.tiles,
             num_tiles, c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.columns1(),
             n_slices, c.inter.bytes(), slices.partial_ptr(), c.num_pairs, redo_tiles, gate_up_map(c, stage_blocks));
     };
@@ -4493,7 +4503,7 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
     }
     auto launch = [&](auto kernel, int threads, const float* weights, const int* num_tiles, const TensorMap& acts) {
         launch_after_previous(kernel, dim3((unsigned)ctas), threads, W::kSharedBytes, c.stream,
-            c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, weights, c.expert_offsets, t.tiles, num_tiles,
+            c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, weights, t.tiles, num_tiles,
             c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(), c.stage2_redo,
             down_map(c, W::kStageBlocks), acts);
     };
@@ -4617,6 +4627,8 @@ torch::Tensor moe_forward(
 
     const int route_smem = 3 * n_experts * (int)sizeof(int);
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
+    TORCH_CHECK(table_tokens < 1 << (31 - kTileRowsShift), "moe_mxfp4: tiles of ", table_tokens,
+                " rows do not fit a tile entry's row bits");
     const auto route_and_quantize = per_block_order ? route_and_quantize_kernel<true, true>
                                   : folded ? route_and_quantize_kernel<false, true>
                                   : fp8    ? route_and_quantize_kernel<true, false>

@@ -64,10 +64,10 @@ EDITS = (
      "    __syncthreads();\n    MOE_ROUTE_STAMP(2);\n\n    // Exclusive scan of (pairs, tiles) per expert"),
     ("        *bad_ids = bad;\n    }\n    __syncthreads();\n",
      "        *bad_ids = bad;\n    }\n    __syncthreads();\n    MOE_ROUTE_STAMP(3);\n"),
-    ("        for (int j = 0; j < n; ++j) tiles[tile_base[e] + j] = make_int2(e, cursor[e] + j * tile_tokens);\n"
-     "    }\n    __syncthreads();\n",
-     "        for (int j = 0; j < n; ++j) tiles[tile_base[e] + j] = make_int2(e, cursor[e] + j * tile_tokens);\n"
-     "    }\n    __syncthreads();\n    MOE_ROUTE_STAMP(4);\n"),
+    ("            tiles[tile_base[e] + j] = pack_tile(e, cursor[e] + offset, min(tile_tokens, counts[e] - offset));\n"
+     "        }\n    }\n    __syncthreads();\n",
+     "            tiles[tile_base[e] + j] = pack_tile(e, cursor[e] + offset, min(tile_tokens, counts[e] - offset));\n"
+     "        }\n    }\n    __syncthreads();\n    MOE_ROUTE_STAMP(4);\n"),
     ("                sorted_weights[row] = weights[i];\n            }\n    }\n}\n",
      "                sorted_weights[row] = weights[i];\n            }\n    }\n    __syncthreads();\n"
      "    MOE_ROUTE_STAMP(5);\n    if (tid == 0) moe_route_stamps[7] = moe_globaltimer();\n}\n"),

@@ -175,12 +175,14 @@ VARIANTS = {
            "                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,"),
           # the folded stage 2's form: its one box skipped too (it then takes the bf16 loop, of no boxes)
           ("                if constexpr (kFolded)\n"
-           "                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, entry.y, &full[slot]);\n"
+           "                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, tile.row_start,\n"
+           "                                &full[slot]);\n"
            "                else\n"
            "#pragma unroll\n"
            "                    for (int h = 0; h < 2; ++h)\n",
            "                if constexpr (kFolded && false)\n"
-           "                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, entry.y, &full[slot]);\n"
+           "                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, tile.row_start,\n"
+           "                                &full[slot]);\n"
            "                else\n"
            "#pragma unroll\n"
            "                    for (int h = 0; h < 0; ++h)\n"))]),
