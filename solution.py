@@ -557,7 +557,7 @@ __device__ __forceinline__ int2 block_exclusive_scan(int2 value, int2* warp_tota
 // end offset instead, each narrow GEMM CTA began with three dependent loads
 // (the tile count, the entry, expert_offsets[expert + 1]) before its first
 // copy, and the wide kernels read that offset for every tile (bs=128 E=33
-// 0.987, bs=16 E=33 0.993, bs=128 E=257 0.996 so; H200). The host checks
+// 0.987, bs=512 E=257 0.989, bs=16 E=33 0.993 so; H200). The host checks
 // that experts and tile widths fit their bits.
 struct Tile {
     int expert, row_start, rows;
