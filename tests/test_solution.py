@@ -210,10 +210,11 @@ def test_kernel_source_builds_for_sm90a_without_spills(kernel_build):
     # convert; route+quantise for both activation formats and the folded one in both orders; the folded path's fallback
     # kernel and stage 2's two folds of the intermediate rows (bf16 for the wide kernel, E4M3 codes for the
     # e4m3 configs' stage 2 on folded rows); SwiGLU+Qa of split stage 1 for both formats at 1, 2
-    # and 4 rows per warp, each keeping or dropping the partial sums' L2 lines; the wide stage 2 of each wide tile width, bf16 and folded; the wide stage 1 of
-    # each width, bf16 and folded; and stage 1 and stage 2 for each GEMM config (one set for configs that
-    # differ in wide tiles only), and the e4m3 configs' stage 1 also folded, and of some their stage 2 on folded
-    # rows, and of some a second stage 2 for a K of one stage
+    # and 4 rows per warp, each keeping or dropping the partial sums' L2 lines; the wide stage 2 of
+    # each wide tile width, bf16 and folded; the wide stage 1 of each width, bf16 and folded; and
+    # stage 1 and stage 2 for each GEMM config (one set for configs that differ in wide tiles only),
+    # and the e4m3 configs' stage 1 also folded, and of some their stage 2 on folded rows, and of some
+    # a second stage 2 for a K of one stage
     kernel_sets = {config._replace(wide_tile_tokens=0) for config in solution.GEMM_CONFIGS}
     assert len(kernels) == (1 + 4 + 3 + 2 * 3 * 2 + 4 * len(solution.WIDE_TILE_TOKENS)
                             + 2 * len(kernel_sets) + sum(c.fp8 for c in kernel_sets)
