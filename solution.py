@@ -2713,11 +2713,17 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
     const int row0 = blockIdx.x * kRows, lane = threadIdx.x & 31;
     const int col = (blockIdx.y * kSwigluWarps + (threadIdx.x >> 5)) * kScaleBlock + lane;
     if (col - lane >= d_expert) return;   // warp-uniform
-    const size_t slice_stride = (size_t)num_pairs * d_expert_pad;
-    const float2* rows[kRows];
+    // Offsets in 32 bits (the host checks that partial's values fit an int):
+    // in 64 bits the eight loads' and the drops' addresses took about 200 of
+    // a warp's 591 instructions at d512, where the kernel is issue-bound
+    // (issue slots 64% busy, 2.9 IPC; H200 ncu); so d512 0.986, bs=16 and
+    // bs=128 0.995-0.998 (H200).
+    const int slice_stride = num_pairs * d_expert_pad;
+    int rows[kRows];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-        rows[r] = partial + (size_t)min(row0 + r, num_pairs - 1) * d_expert_pad + col;
+    for (int r = 0; r < kRows; ++r) rows[r] = min(row0 + r, num_pairs - 1) * d_expert_pad + col;
+    // Slice z's value of row r: one address for its load and its drop.
+    auto value_at = [&](int r, int z) { return partial + (rows[r] + min(z, splits - 1) * slice_stride); };
     float2 sum[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) sum[r] = make_float2(0.0f, 0.0f);
@@ -2726,10 +2732,8 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
 #pragma unroll
         for (int i = 0; i < kSlices; ++i)
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) {
-                const float2* value = rows[r] + min(z0 + i, splits - 1) * slice_stride;
-                v[i][r] = kDropLines ? __ldcs(value) : *value;
-            }
+            for (int r = 0; r < kRows; ++r)
+                v[i][r] = kDropLines ? __ldcs(value_at(r, z0 + i)) : *value_at(r, z0 + i);
 #pragma unroll
         for (int i = 0; i < kSlices; ++i)
 #pragma unroll
@@ -2747,7 +2751,7 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
                 for (int i = 0; i < kSlices; ++i)
 #pragma unroll
                     for (int r = 0; r < kRows; ++r)
-                        if (z0 + i < splits && row0 + r < num_pairs) drop_l2_line(rows[r] + (z0 + i) * slice_stride);
+                        if (z0 + i < splits && row0 + r < num_pairs) drop_l2_line(value_at(r, z0 + i));
             }
         }
     }
@@ -2756,7 +2760,7 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
     float* scale[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-        const size_t block_start = (size_t)(row0 + r) * d_expert_pad + col - lane;
+        const int block_start = (row0 + r) * d_expert_pad + col - lane;
         v[r] = col < d_expert ? swiglu_bf16(sum[r].x, sum[r].y) : 0.0f;
         dst[r] = inter + block_start * (kFp8 ? 1 : 2);
         scale[r] = inter_scale + block_start / kScaleBlock;
@@ -3979,6 +3983,7 @@ HOST_SOURCE = r"""
 #if !defined(USE_ROCM)
 #include <cudaTypedefs.h>
 #endif
+#include <climits>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -4259,7 +4264,12 @@ struct Stage1Slices {
     int blocks;
     torch::Tensor partial;
     Stage1Slices(const MoeCall& c, int blocks, int count) : blocks(blocks) {
-        if (count > 1) partial = torch::empty({count, c.num_pairs, c.d_expert_pad, 2}, c.accumulator.options());
+        if (count <= 1) return;
+        // swiglu_quantize_kernel indexes the (gate, up) pairs with ints.
+        TORCH_CHECK((long long)count * c.num_pairs * c.d_expert_pad <= INT_MAX,
+                    "moe_mxfp4: stage 1's partial sums outgrow 32-bit offsets (", count, " slices of ",
+                    c.num_pairs, " rows)");
+        partial = torch::empty({count, c.num_pairs, c.d_expert_pad, 2}, c.accumulator.options());
     }
     int count() const { return partial.defined() ? (int)partial.size(0) : 1; }
     float2* partial_ptr() const {
