@@ -411,26 +411,57 @@ __device__ __forceinline__ float qa_value(float v, int e) {
     return e2m1_round(qa_unscaled(v, e)) * exact_pow2(e);
 }
 
+// The largest and smallest of a converged warp's 32 values: one redux.sync
+// on sm_80+ instead of a chain of five dependent shuffles.
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(USE_ROCM)
+    return __reduce_max_sync(0xFFFFFFFFu, v);
+#else
+    for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    return v;
+#endif
+}
+template <typename T>
+__device__ __forceinline__ T warp_min(T v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(USE_ROCM)
+    return __reduce_min_sync(0xFFFFFFFFu, v);
+#else
+    for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    return v;
+#endif
+}
+
 // Qa of N 32-value blocks, one value of each per lane (SPEC section 4), in
 // the activation format of the GEMM that reads them: kFp8, the E4M3 codes
 // at fp8_act_position in block i's 32 bytes of dst[i] and 2^e in
 // *scale[i]; otherwise the dequantised bf16 values at act_position in its
 // 64 bytes. Blocks count..N-1 are computed, not stored (count is
 // warp-uniform). A block is all NaN if any value is NaN, so that NaN
-// reaches the output instead of vanishing in the max. The blocks'
-// reductions interleave: a block at a time, each was a chain of five
-// dependent shuffles, 36 of them a warp in a 144-token unit's epilogue;
-// four at a time took d2048's stage 1 from 471 to 464 us (H200).
-template <bool kFp8, int N>
+// reaches the output instead of vanishing in the max. kRedux: each block's
+// max is one warp_max of its magnitudes' bits (NaN as zero; an all-NaN
+// block's scale then differs, its codes are NaN either way): with the fold
+// kernels' warp_max, bs=128 E=33 0.993-0.998, d512 0.995-1.000 (H200;
+// 656 -> 624 SASS instructions in d512's fix-up). Otherwise the blocks'
+// shuffle chains interleave (four at a time took d2048's stage 1 from 471
+// to 464 us when the wide kernel ran this form): the narrow stage 1's
+// epilogue keeps them, since every integer form spilled its 24-token
+// kernel at its 128-register cap.
+template <bool kFp8, int N, bool kRedux>
 __device__ __forceinline__ void quantize_blocks_warp(const float (&v)[N], int count, int lane,
                                                      uint8_t* const (&dst)[N], float* const (&scale)[N]) {
     float amax[N];
+    if constexpr (kRedux) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) amax[i] = fabsf(v[i]);
+        for (int i = 0; i < N; ++i) amax[i] = bits_to_float(warp_max(isnan(v[i]) ? 0u : float_to_bits(fabsf(v[i]))));
+    } else {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
+        for (int i = 0; i < N; ++i) amax[i] = fabsf(v[i]);
 #pragma unroll
-        for (int i = 0; i < N; ++i) amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], offset));
+        for (int offset = 16; offset > 0; offset >>= 1)
+#pragma unroll
+            for (int i = 0; i < N; ++i) amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], offset));
+    }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const bool has_nan = __any_sync(0xffffffffu, isnan(v[i]));
@@ -2264,20 +2295,15 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
     // took 20.5 us at bs=512 E=257 so, 17.4 so, the unfolded Qa 13.6; H200,
     // 2026-12-02).
     const bool nonzero = active && amax > 0.0f;
-    int warp_max = nonzero ? e : -128, warp_min = nonzero ? e : 128;
-#pragma unroll
-    for (int offset = 4; offset < 32; offset <<= 1) {
-        warp_max = max(warp_max, __shfl_xor_sync(0xFFFFFFFFu, warp_max, offset));
-        warp_min = min(warp_min, __shfl_xor_sync(0xFFFFFFFFu, warp_min, offset));
-    }
+    const int largest = warp_max(nonzero ? e : -128), smallest = warp_min(nonzero ? e : 128);
     if (threadIdx.x == 0) {
         row_max = -128;
         row_min = 128;
     }
     __syncthreads();
     if ((threadIdx.x & 31) == 0) {
-        atomicMax(&row_max, warp_max);
-        atomicMin(&row_min, warp_min);
+        atomicMax(&row_max, largest);
+        atomicMin(&row_min, smallest);
     }
     __syncthreads();
     const int base = row_max - kFoldMaxShift, d = e - base;
@@ -2510,7 +2536,7 @@ __device__ __forceinline__ void quantize_h_rows_e4m3(const float* h, int rows, i
             dst[i] = dst_row + (size_t)(i * kRowStep) * d_expert_pad;
             scale[i] = scale_row + (size_t)(i * kRowStep) * (d_expert_pad / kScaleBlock);
         }
-        quantize_blocks_warp<true, kGroup>(v, (rows - row + kRowStep - 1) / kRowStep, lane, dst, scale);
+        quantize_blocks_warp<true, kGroup, false>(v, (rows - row + kRowStep - 1) / kRowStep, lane, dst, scale);
         dst_row += (size_t)(kGroup * kRowStep) * d_expert_pad;
         scale_row += (size_t)(kGroup * kRowStep) * (d_expert_pad / kScaleBlock);
     }
@@ -2766,7 +2792,7 @@ __global__ void __launch_bounds__(kSwigluWarps * 32) swiglu_quantize_kernel(
         scale[r] = inter_scale + block_start / kScaleBlock;
     }
     // Rows past the routed pairs' are computed, not stored.
-    quantize_blocks_warp<kFp8, kRows>(v, expert_offsets[n_experts] - row0, lane, dst, scale);
+    quantize_blocks_warp<kFp8, kRows, true>(v, expert_offsets[n_experts] - row0, lane, dst, scale);
 }
 
 }  // namespace moe
@@ -2817,12 +2843,7 @@ __global__ void __launch_bounds__(kFoldCodesThreads) fold_inter_codes_kernel(
         bool nonzero = word_nonzero;
         nonzero |= __shfl_xor_sync(0xFFFFFFFFu, (int)nonzero, 1) != 0;
         nonzero |= __shfl_xor_sync(0xFFFFFFFFu, (int)nonzero, 2) != 0;
-        int largest = nonzero ? e : -128, smallest = nonzero ? e : 128;
-#pragma unroll
-        for (int offset = 4; offset < 32; offset <<= 1) {   // a quad already agrees
-            largest = max(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
-            smallest = min(smallest, __shfl_xor_sync(0xFFFFFFFFu, smallest, offset));
-        }
+        const int largest = warp_max(nonzero ? e : -128), smallest = warp_min(nonzero ? e : 128);
         const int base = largest == -128 ? 0 : largest - kFoldMaxShift;   // an all-zero row folds at any base
         const bool folds = blocks <= kFoldCodesMaxBlocks && !has_nan
                         && (largest == -128 || smallest - base >= kFoldMinShift) && base - 6 >= -126;
@@ -3458,10 +3479,7 @@ __global__ void __launch_bounds__(kFoldInterThreads) fold_inter_rows_kernel(
             load(pass, halves);
             take_largest(halves);
         }
-        uint32_t largest = max(largest_low >> 7, largest_high >> 23);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1)
-            largest = max(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
+        const uint32_t largest = warp_max(max(largest_low >> 7, largest_high >> 23));
         // An all-zero row folds at any base; one whose largest is below
         // 2^-92 (field 35) does not, so that its weight times 2^base stays
         // a normal float.
