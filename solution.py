@@ -2223,6 +2223,15 @@ __device__ __forceinline__ void store_qa_bf16(uint8_t* __restrict__ act, int d_h
                     : __floats2bfloat162_rn(qa_value(v[i], e), qa_value(v[i + 4], e));
 }
 
+// Columns k..k+7 of a token's row of the fp32 accumulator that stage 2 adds
+// into, zeroed by the first kernel's Qa thread that reads those columns.
+__device__ __forceinline__ void zero_accumulator_eighth(float* __restrict__ accumulator, int d_hidden_pad, int token,
+                                                        int k) {
+    float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
+    zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
 // Qa of the hidden states into the GEMMs' activation format (bf16 values, or
 // kFp8: E4M3 codes and fp32 block scales), and zeroing of the fp32
 // accumulator that stage 2 adds into: columns k..k+7 of one token, by one
@@ -2255,9 +2264,7 @@ __device__ __forceinline__ void quantize_hidden_columns(
     } else {
         store_qa_bf16(act, d_hidden_pad, token, k, v, e, has_nan);
     }
-    float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
-    zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    zero_accumulator_eighth(accumulator, d_hidden_pad, token, k);
 }
 
 // Qa of one token's whole row (one CTA: d_hidden_pad <= kPrepareColumns) for
@@ -2343,9 +2350,7 @@ __device__ __forceinline__ void quantize_hidden_row_folded(
     uint8_t* block = act + (size_t)token * d_hidden_pad + (k - quad * 8);
     *reinterpret_cast<uint32_t*>(block + 4 * quad) = low;
     *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = high;
-    float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);
-    zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    zero_accumulator_eighth(accumulator, d_hidden_pad, token, k);
 }
 
 // A call's first kernel. CTA (0, 0) routes (route_pairs, one CTA's work;

@@ -210,17 +210,9 @@ VARIANTS = {
     "qa_no_zero": (
         "the first kernel's Qa writes no zeros into the fp32 accumulator (14.7 MB at 512 tokens; stage 2 "
         "then adds onto stale values): what zeroing it there costs that kernel",
-        [(("        store_qa_bf16(act, d_hidden_pad, token, k, v, e, has_nan);\n    }\n"
-           "    float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);\n"
+        [(("    float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);\n"
            "    zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);\n"
            "    zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);\n",
-           "        store_qa_bf16(act, d_hidden_pad, token, k, v, e, has_nan);\n    }\n"
-           "    (void)accumulator;\n"),),
-         (("    *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = high;\n"
-           "    float4* zero = reinterpret_cast<float4*>(accumulator + (size_t)token * d_hidden_pad + k);\n"
-           "    zero[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);\n"
-           "    zero[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);\n",
-           "    *reinterpret_cast<uint32_t*>(block + 16 + 4 * quad) = high;\n"
            "    (void)accumulator;\n"),)]),
     "routing_only": (
         "the first kernel launched as its routing CTA alone (no Qa CTAs at all: stale activations, "
