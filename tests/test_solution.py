@@ -939,6 +939,24 @@ def test_a_check_inside_the_extension_raises_runtime_error():
 
 
 @needs_cuda
+def test_stage1_slices_beyond_32_bit_offsets_raise():
+    """swiglu_quantize_kernel indexes stage 1's partial sums with ints: two
+    slices of 9 * 58,255 rows of 2,048 (gate, up) pairs are 2^31 + 28,672 of
+    them, one token past what fits, and the call raises before stage 1 is
+    launched instead of writing out of bounds."""
+    tokens = 2 ** 31 // (2 * 9 * 2048) + 1
+    out = output_of_a_child_call(
+        "data = reference.generate_input(1024, 2048, 8, 8, 1, 8, 55)\n"
+        f"tokens = {tokens}\n"
+        "data = (torch.zeros(tokens, 1024, dtype=torch.bfloat16, device='cuda'),) + data[1:9] + (\n"
+        "    torch.full((tokens, 9), 0.1, device='cuda'), torch.zeros(tokens, 9, dtype=torch.int32, device='cuda'),\n"
+        "    {**data[11], 'bs': tokens})\n"
+        "module = solution._backend(torch.device('cuda'))[1]\n",
+        "solution._run_kernels(module, data, stage1_splits=2)")
+    assert f"raised: moe_mxfp4: stage 1's partial sums outgrow 32-bit offsets (2 slices of {9 * tokens} rows)" in out, out
+
+
+@needs_cuda
 @pytest.mark.parametrize("config", [None, WIDE_144], ids=["chosen", "wide144"])
 def test_misaligned_weights_and_scales_give_the_same_result(config):
     data = reference.generate_input(1024, 512, 16, 4, 1, 64, 52)
