@@ -4288,8 +4288,10 @@ struct Stage1Slices {
     torch::Tensor partial;
     Stage1Slices(const MoeCall& c, int blocks, int count) : blocks(blocks) {
         if (count <= 1) return;
-        // swiglu_quantize_kernel indexes the (gate, up) pairs with ints.
-        TORCH_CHECK((long long)count * c.num_pairs * c.d_expert_pad <= INT_MAX,
+        // swiglu_quantize_kernel forms ints for offsets of the (gate, up)
+        // pairs, and of inter's bf16 bytes up to three rows past the last
+        // (its 4-row warps' rows beyond num_pairs: computed, not stored).
+        TORCH_CHECK(std::max((long long)count * c.num_pairs, 2LL * (c.num_pairs + 3)) * c.d_expert_pad <= INT_MAX,
                     "moe_mxfp4: stage 1's partial sums outgrow 32-bit offsets (", count, " slices of ",
                     c.num_pairs, " rows)");
         partial = torch::empty({count, c.num_pairs, c.d_expert_pad, 2}, c.accumulator.options());

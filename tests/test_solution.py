@@ -942,7 +942,7 @@ def test_a_check_inside_the_extension_raises_runtime_error():
 def test_stage1_slices_beyond_32_bit_offsets_raise():
     """swiglu_quantize_kernel indexes stage 1's partial sums with ints: two
     slices of 9 * 58,255 rows of 2,048 (gate, up) pairs are 2^31 + 28,672 of
-    them, one token past what fits, and the call raises before stage 1 is
+    them, past what an int holds, and the call raises before stage 1 is
     launched instead of writing out of bounds."""
     tokens = 2 ** 31 // (2 * 9 * 2048) + 1
     out = output_of_a_child_call(
