@@ -1352,11 +1352,14 @@ struct GemmShape {
     // kWeightBoxes), in the warpgroup-MMA configs but the 24- and 32-token
     // e4m3 ones, whose stage 1 measured 4% slower so (bs=512 E=257, H200,
     // 2026-12-01). Stage 2 does in every warpgroup-MMA config, one box per
-    // stage, and with bf16 its activations too (kActTma). The host builds
-    // the tensor maps these need.
+    // stage, and its activations too (kActTma) in the bf16 configs and the
+    // 24-token e4m3 one: there it took bs=512 E=257's stage 2 from 124.9 to
+    // 120.9 us (the call 0.989), while the 8-token ones measured 1.000-1.006
+    // of the call so (H200, 2026-12-04; 16 and 32 tokens not timed). The
+    // host builds the tensor maps these need.
     static constexpr int kStage1WeightBoxes = WG && !(FP8 && NT >= 3) ? 2 : 0;
     static constexpr int kStage2WeightBoxes = WG ? 1 : 0;
-    static constexpr bool kStage2ActTma = WG && !FP8;
+    static constexpr bool kStage2ActTma = WG && (!FP8 || NT == 3);
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
                                           : FP8 ? 2 : 1;
     // The second stage-2 kernel of ONE_STAGE_STAGE2_TOKENS, for a K of one
@@ -1491,10 +1494,11 @@ __device__ __forceinline__ int gate_up_box_row(int r) {
 // weights with TMA, that many boxes (weights.map), instead of every thread's
 // copies; with 2 boxes the local rows are gate_up_box_row's, while each box
 // lands whole. kShuffledWeights: the map is a shuffled_weight_map and the
-// stage's weights lie as shuffled_weight_offset says. kActTma (bf16 stage
-// 2, a tile's activations consecutive rows of act): its activations too
-// (act_map). Weight scales, and other
-// activations, stay cp.async. kRowTileLoop: the CTA may take several row
+// stage's weights lie as shuffled_weight_offset says. kActTma (stage 2, a
+// tile's activations consecutive rows of act): its activations too
+// (act_map; a box's rows past the tile's are other tiles' rows, in token
+// columns that no add reads). Weight scales, activation scales and stage
+// 1's gathered activations stay cp.async. kRowTileLoop: the CTA may take several row
 // tiles (stage 2 where S::kRowTiles); stage 1 takes one, and with the loop
 // compiled in anyway ptxas kept its accumulator reset as a select of every
 // accumulator in each stage (12 FSEL of the 24-token stage's 421).
@@ -1594,7 +1598,7 @@ __device__ __forceinline__ bool gemm_mainloop(
     // pipeline's, see below) or on tma_full[slot].
     constexpr bool kTma = kWeightBoxes > 0;
     static_assert(!kTma || S::kWgmma, "TMA stages: warpgroup-MMA configs");
-    static_assert(!kActTma || (kTma && !S::kFp8), "TMA activations: bf16, with TMA weights");
+    static_assert(!kActTma || kTma, "TMA activations: with TMA weights");
     static_assert(kWeightBoxes == 0 || kWeightBoxes == 1 || kWeightBoxes == 2, "weight boxes");
     __shared__ uint64_t full[kMbarriers ? kRing : 1], empty[kMbarriers ? kRing : 1];
     __shared__ uint64_t tma_full[kTma && !kMbarriers ? kRing : 1];
@@ -1628,9 +1632,9 @@ __device__ __forceinline__ bool gemm_mainloop(
                 }
                 if constexpr (kActTma)
 #pragma unroll
-                    for (int h = 0; h < SB * kScaleBlock / 64; ++h)
+                    for (int h = 0; h < SB * kScaleBlock * S::kActValueBytes / 128; ++h)
                         tma_load_2d(base + S::kActOffset + h * (S::kTokens * 128), act_map,
-                                    (first_block * kScaleBlock + h * 64) * 2, act_row_of(0), barrier);
+                                    first_block * kScaleBlock * S::kActValueBytes + h * 128, act_row_of(0), barrier);
             }
         } else {
 #pragma unroll
@@ -4360,9 +4364,9 @@ TensorMap down_map(const MoeCall& c, int stage_blocks) {
     return tensor_map(c.down_weight.data_ptr<uint8_t>(), c.down_weight.size(0) * (int64_t)c.d_hidden_pad,
                       c.k_blocks2() * 16, c.d_expert_pad / 2, stage_blocks * 16, kRows);
 }
-TensorMap inter_map(const MoeCall& c, int tile_tokens) {
-    return tensor_map(c.inter.bytes(), c.num_pairs, c.k_blocks2() * kScaleBlock * 2, c.d_expert_pad * 2, 128,
-                      tile_tokens);
+TensorMap inter_map(const MoeCall& c, int tile_tokens, int value_bytes) {
+    return tensor_map(c.inter.bytes(), c.num_pairs, c.k_blocks2() * kScaleBlock * value_bytes,
+                      c.d_expert_pad * value_bytes, 128, tile_tokens);
 }
 
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
@@ -4419,7 +4423,7 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
             c.sorted_tokens, c.sorted_weights, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
             c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(), c.inter_factor,
             S::kStage2WeightBoxes > 0 ? down_map(c, SB) : TensorMap{},
-            S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
+            S::kStage2ActTma ? inter_map(c, S::kTokens, S::kActValueBytes) : TensorMap{});
     };
     // With folded rows (c.inter_factor): the pass that folds them, then the kernel that votes for them.
     if constexpr (FP8 && folded_stage2_tokens(S::kTokens))
@@ -4552,10 +4556,10 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
                               c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights, c.stage2_redo);
         launch(stage2_folded, W::threads(true), c.folded_weights, t.count,
                tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128, kTokens));
-        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));
+        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens, 2));
         return;
     }
-    launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens));
+    launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens, 2));
 }
 
 }  // namespace moe
