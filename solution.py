@@ -603,9 +603,12 @@ __device__ __forceinline__ Tile decode_tile(int2 entry) {
 }
 __device__ __forceinline__ Tile tile_at(const int2* tiles, int i) { return decode_tile(tiles[i]); }
 // The CTA's tile (blockIdx.x), false past the routing's tile count. The
-// entry is read after the count's test, a second round trip: read with the
-// count (volatile reads, which ptxas does not sink below the test) it took
-// bs=128 E=257 1.3% longer (stage 1 1-2 us; H200).
+// entry is read after the count's test, a second round trip. Four forms
+// that read both in one round trip each took bs=128 E=257 1.0-1.3% longer
+// (H200): volatile reads; ld.relaxed.gpu; .nc reads with the entry's sign
+// tested beside the count; the same with the routing writing the entries
+// past its count, so that no CTA read an unwritten line (stages 1 and 2
+// both 1-3 us slower, cause unknown; bs=16 0.996-1.002).
 __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles) {
     if ((int)blockIdx.x >= *num_tiles) return false;
     tile = tile_at(tiles, blockIdx.x);
