@@ -608,7 +608,7 @@ __device__ __forceinline__ Tile tile_at(const int2* tiles, int i) { return decod
 // (H200): volatile reads; ld.relaxed.gpu; .nc reads with the entry's sign
 // tested beside the count; the same with the routing writing the entries
 // past its count, so that no CTA read an unwritten line (stages 1 and 2
-// both 1-3 us slower, cause unknown; bs=16 0.996-1.002).
+// both 1-3 us slower, cause unknown), for 0-0.9% at the bs=16 shapes.
 __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles) {
     if ((int)blockIdx.x >= *num_tiles) return false;
     tile = tile_at(tiles, blockIdx.x);
@@ -4559,10 +4559,10 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
                               c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights, c.stage2_redo);
         launch(stage2_folded, W::threads(true), c.folded_weights, t.count,
                tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128, kTokens));
-        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens, 2));
+        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens, (int)sizeof(__nv_bfloat16)));
         return;
     }
-    launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens, 2));
+    launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens, (int)sizeof(__nv_bfloat16)));
 }
 
 }  // namespace moe
