@@ -1501,10 +1501,11 @@ __device__ __forceinline__ int gate_up_box_row(int r) {
 // tile's activations consecutive rows of act): its activations too
 // (act_map; a box's rows past the tile's are other tiles' rows, in token
 // columns that no add reads). Weight scales, activation scales and stage
-// 1's gathered activations stay cp.async. kRowTileLoop: the CTA may take several row
-// tiles (stage 2 where S::kRowTiles); stage 1 takes one, and with the loop
-// compiled in anyway ptxas kept its accumulator reset as a select of every
-// accumulator in each stage (12 FSEL of the 24-token stage's 421).
+// 1's gathered activations stay cp.async. kRowTileLoop: the CTA may take
+// several row tiles (stage 2 where S::kRowTiles); stage 1 takes one, and
+// with the loop compiled in anyway ptxas kept its accumulator reset as a
+// select of every accumulator in each stage (12 FSEL of the 24-token
+// stage's 421).
 template <typename S, int kRing, bool kMbarriers, ScalePath kPath, int kWeightBoxes, bool kShuffledWeights,
           bool kActTma, bool kFoldedBytes, bool kRowTileLoop, typename WeightRowOf, typename ActRowOf,
           typename TileDone>
@@ -4367,9 +4368,10 @@ TensorMap down_map(const MoeCall& c, int stage_blocks) {
     return tensor_map(c.down_weight.data_ptr<uint8_t>(), c.down_weight.size(0) * (int64_t)c.d_hidden_pad,
                       c.k_blocks2() * 16, c.d_expert_pad / 2, stage_blocks * 16, kRows);
 }
-TensorMap inter_map(const MoeCall& c, int tile_tokens, int value_bytes) {
-    return tensor_map(c.inter.bytes(), c.num_pairs, c.k_blocks2() * kScaleBlock * value_bytes,
-                      c.d_expert_pad * value_bytes, 128, tile_tokens);
+TensorMap inter_map(const MoeCall& c, int tile_tokens) {
+    const int row_bytes = (int)c.inter.values.size(1), value_bytes = row_bytes / c.d_expert_pad;   // bf16 or e4m3
+    return tensor_map(c.inter.bytes(), c.num_pairs, c.k_blocks2() * kScaleBlock * value_bytes, row_bytes, 128,
+                      tile_tokens);
 }
 
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
@@ -4426,7 +4428,7 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
             c.sorted_tokens, c.sorted_weights, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
             c.d_expert, c.d_expert_pad, row_tiles, c.accumulator.data_ptr<float>(), c.inter_factor,
             S::kStage2WeightBoxes > 0 ? down_map(c, SB) : TensorMap{},
-            S::kStage2ActTma ? inter_map(c, S::kTokens, S::kActValueBytes) : TensorMap{});
+            S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
     };
     // With folded rows (c.inter_factor): the pass that folds them, then the kernel that votes for them.
     if constexpr (FP8 && folded_stage2_tokens(S::kTokens))
@@ -4559,10 +4561,10 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
                               c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights, c.stage2_redo);
         launch(stage2_folded, W::threads(true), c.folded_weights, t.count,
                tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128, kTokens));
-        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens, (int)sizeof(__nv_bfloat16)));
+        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));
         return;
     }
-    launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens, (int)sizeof(__nv_bfloat16)));
+    launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens));
 }
 
 }  // namespace moe
