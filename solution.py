@@ -785,6 +785,13 @@ PER_BLOCK_STAGE1_CONFIGS = tuple(c._replace(token_scaled=False) for c in GEMM_CO
 # of stage 2 (H200, 2026-12-03), is less than the pass costs the chain; at 32
 # the kernel spilled (at its 128-register cap).
 FOLDED_STAGE2_TOKENS = (16, 24)
+# Of those, the widths whose folded-rows kernel runs its warpgroups over two
+# 64-row MMA tiles each (128-thread CTAs, three per SM), as the 8-token
+# config's stage 2 does: fewer instructions per weight. At 24 tokens it took
+# bs=512 E=257's stage 2 from 120.9 to 108.7 us (the call 0.969; at two CTAs
+# per SM, 1.018; H200, 2026-12-04). The plain kernel of that width keeps the
+# config's warp rows: over two tiles at three CTAs it spilled.
+FOLDED_STAGE2_TWO_TILE_TOKENS = (24,)
 # The e4m3 configs whose stage 2 has a second kernel for a K of one stage
 # (d_expert up to 256), at one CTA per SM more and a ring of fewer slots:
 # where a row tile is one stage, two slots already keep the next row tile's
@@ -813,7 +820,9 @@ GEMM_CONFIG_SOURCE = (_config_macro("MOE_GEMM_CONFIGS", GEMM_CONFIGS)
                       + "constexpr bool folded_stage2_tokens(int tokens) { return "
                       + " || ".join(f"tokens == {n}" for n in FOLDED_STAGE2_TOKENS) + "; }\n"
                       + "constexpr bool one_stage_stage2_tokens(int tokens) { return "
-                      + " || ".join(f"tokens == {n}" for n in ONE_STAGE_STAGE2_TOKENS) + "; }\n")
+                      + " || ".join(f"tokens == {n}" for n in ONE_STAGE_STAGE2_TOKENS) + "; }\n"
+                      + "constexpr bool two_tile_folded_stage2_tokens(int tokens) { return "
+                      + " || ".join(f"tokens == {n}" for n in FOLDED_STAGE2_TWO_TILE_TOKENS) + "; }\n")
 
 
 def _wgmma_source(n: int, kind: str = "bf16") -> str:
@@ -1288,9 +1297,10 @@ struct GemmShape {
     // tokens, so that a thread's two tokens of an MMA n-tile (2t, 2t+1) are
     // one 8-byte read, copied one scale per copy; token-major for 32 tokens,
     // copied 16 bytes (4 blocks) per copy (block-major, that config spilled
-    // 8 bytes at its 128-register cap).
+    // 8 bytes at its 128-register cap), and where one scale per copy would
+    // take more copies than threads (24 tokens in 128-thread CTAs).
     static constexpr int kActScaleBytes = FP8 ? kTokens * SB * 4 : 0;
-    static constexpr bool kActScalesBlockMajor = kTokens <= 24;
+    static constexpr bool kActScalesBlockMajor = kTokens <= 24 && kTokens * SB <= kThreads;
     static constexpr int kActScaleCopyBlocks = kActScalesBlockMajor ? 1 : 4;
     // A stage: weights, their scales, activations (and FP8: their scales);
     // for warpgroup MMAs the activations first, in 1024-byte-aligned stages
@@ -1344,9 +1354,9 @@ struct GemmShape {
     // other. 8-token tiles are capped at 64 registers so that 1024 threads
     // fit per SM, 16-token tiles at 80 (768 threads; 64 would spill).
     // bf16 warpgroup-MMA CTAs are capped at 128 registers so that two fit
-    // per SM; e4m3 ones at 80 (8 tokens; 64 spills), 170 (8 tokens in
-    // 128-thread CTAs of two 64-row tiles per warpgroup: three CTAs) and 128
-    // (16 to 32 tokens; 80 spills at 16).
+    // per SM; e4m3 ones at 80 (8 tokens; 64 spills), 170 (8 and 24 tokens
+    // in 128-thread CTAs of two 64-row tiles per warpgroup: three CTAs) and
+    // 128 (16 to 32 tokens; 80 spills at 16).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
     // Stage 1's folded form (stage1_kernel's kFolded) folds the weights too
     // (see FOLDED_STAGE1_MIN_TOKENS).
@@ -1364,7 +1374,7 @@ struct GemmShape {
     static constexpr int kStage2WeightBoxes = WG ? 1 : 0;
     static constexpr bool kStage2ActTma = WG && (!FP8 || NT == 3);
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
-                                          : FP8 ? 2 : 1;
+                                          : FP8 ? (MT == 2 ? 3 : 2) : 1;
     // The second stage-2 kernel of ONE_STAGE_STAGE2_TOKENS, for a K of one
     // stage: one CTA per SM more (stage2_kernel's kOneStage, kStage2CtasPerSm).
     static constexpr bool kStage2OneStageKernel = FP8 && one_stage_stage2_tokens(kTokens);
@@ -3105,7 +3115,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
     MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, false)                                         \
     MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, false, false)
 #define MOE_INSTANTIATE_FOLDED_ROWS(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
-    MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, true, false)
+    MOE_INSTANTIATE_STAGE2(NT, (two_tile_folded_stage2_tokens(8 * NT) ? 2 : MT2), WT, SB, STAGES, WG, FP8, true, false)
 #define MOE_INSTANTIATE_ONE_STAGE(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, false, true)
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
@@ -4406,12 +4416,15 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     launch_swiglu_quantize<FP8>(c, slices);
 }
 
-// MT: stage 2's weight rows per warp (the config's stage2_warp_rows).
+// MT: stage 2's weight rows per warp (the config's stage2_warp_rows; two
+// tiles per warpgroup for the folded-rows kernel of
+// FOLDED_STAGE2_TWO_TILE_TOKENS).
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 void launch_stage2(const MoeCall& c, const TileTable& t) {
-    using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
-    // kernel: a stage2_kernel whose ring is kStage2Ring<S, one_stage::value>.
-    auto launch = [&](auto kernel, auto one_stage) {
+    constexpr int kFoldedMT = two_tile_folded_stage2_tokens(8 * NT) ? 2 : MT;
+    // kernel: a stage2_kernel of shape S whose ring is kStage2Ring<S, one_stage::value>.
+    auto launch = [&](auto kernel, auto shape, auto one_stage) {
+        using S = decltype(shape);
         auto shared_bytes = [](int k_blocks, int row_tiles) {
             return S::shared_bytes(k_blocks, kStage2EpilogueBytes<S>, row_tiles,
                                    kStage2Ring<S, decltype(one_stage)::value>);
@@ -4431,21 +4444,23 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
             S::kStage2ActTma ? inter_map(c, S::kTokens) : TensorMap{});
     };
     // With folded rows (c.inter_factor): the pass that folds them, then the kernel that votes for them.
-    if constexpr (FP8 && folded_stage2_tokens(S::kTokens))
+    if constexpr (FP8 && folded_stage2_tokens(8 * NT))
         if (c.inter_factor != nullptr) {
             launch_after_previous(fold_inter_codes_kernel,
                 dim3(std::min((c.num_pairs + kFoldCodesThreads / 32 - 1) / (kFoldCodesThreads / 32), 8 * sm_count())),
                 kFoldCodesThreads, 0, c.stream, c.inter.bytes(), c.inter.scales(), c.expert_offsets, c.n_experts,
                 c.d_expert_pad, c.k_blocks2(), c.inter_factor);
-            launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, true, false>, std::false_type());
+            launch(stage2_kernel<NT, kFoldedMT, WT, SB, STAGES, WG, FP8, true, false>,
+                   GemmShape<NT, kFoldedMT, WT, SB, STAGES, WG, FP8>(), std::false_type());
             return;
         }
+    using S = GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>;
     if constexpr (S::kStage2OneStageKernel)
         if (c.k_blocks2() <= SB) {
-            launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false, true>, std::true_type());
+            launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false, true>, S(), std::true_type());
             return;
         }
-    launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false, false>, std::false_type());
+    launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false, false>, S(), std::false_type());
 }
 
 // The wide kernels (bf16 warpgroup MMAs; e4m3 for the folded stage 1), with
