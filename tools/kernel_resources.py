@@ -38,6 +38,13 @@ void show() {
     // the config has one.
     printf(" %8.1f", S2::shared_bytes(8, kStage2EpilogueBytes<S2>, 8, S2::kStage2OneStageKernel
                                       ? kStage2Ring<S2, true> : kStage2Ring<S2>) / 1024.0);
+    // The folded-rows stage 2 there, where the config has one (its own shape for
+    // FOLDED_STAGE2_TWO_TILE_TOKENS).
+    using S2F = GemmShape<NT, two_tile_folded_stage2_tokens(NT * 8) ? 2 : MT2, WT, SB, STAGES, WG, FP8>;
+    if (FP8 && folded_stage2_tokens(NT * 8))
+        printf(" %8.1f", S2F::shared_bytes(8, kStage2EpilogueBytes<S2F>, 8, kStage2Ring<S2F>) / 1024.0);
+    else
+        printf(" %8s", "-");
     printf("\n");
 }
 // A wide kernel; each CTA's share of the SM is 227 KB over its CTAs per SM
@@ -52,8 +59,8 @@ void show_wide(int stage, int ctas_per_sm, int folded_bytes) {
     printf(")\n");
 }
 int main() {
-    printf("%-34s %8s %12s %8s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512", "s2 K2048",
-           "K256 x8");
+    printf("%-34s %8s %12s %8s %8s %8s %8s %8s\n", "config", "stage 1", "(stages KB)", "s2 K256", "s2 K512",
+           "s2 K2048", "K256 x8", "folded");
 #define MOE_SHOW(NT, MT, WT, SB, STAGES, WG, FP8, MT2) show<NT, MT, WT, SB, STAGES, WG, FP8, MT2>();
     MOE_GEMM_CONFIGS(MOE_SHOW)
     MOE_SHOW_WIDE_KERNELS
