@@ -1027,7 +1027,9 @@ def test_nan_in_hidden_states_through_the_k_split_fix_up(config):
 @needs_cuda
 def test_cuda_graph_replay_with_new_inputs():
     """Captured once, replayed after new values are copied into the same
-    input buffers: the kernels read the buffers, not values fixed at capture."""
+    input buffers (every tensor of the tuple, AITER's shuffled copies among
+    them: the folded stage 1s read gate_up_weight_shuffled): the kernels
+    read the buffers, not values fixed at capture."""
     data = reference.generate_input(2048, 512, 32, 8, 1, 64, 14)
     fresh = reference.generate_input(2048, 512, 32, 8, 1, 64, 15)
     solution.custom_kernel(data)  # build and warm up outside the capture
@@ -1035,7 +1037,7 @@ def test_cuda_graph_replay_with_new_inputs():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = solution.custom_kernel(data)
-    for index in (0, 1, 2, 3, 4, 9, 10):
+    for index in range(11):
         data[index].copy_(fresh[index])
     graph.replay()
     torch.cuda.synchronize()
