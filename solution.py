@@ -1362,15 +1362,18 @@ struct GemmShape {
     // (see FOLDED_STAGE1_MIN_TOKENS).
     static constexpr bool kFoldedStage1 = FP8 && kTokens >= kFoldedStage1MinTokens;
     // Stage 1 loads its weights by TMA, two boxes per stage (gemm_mainloop's
-    // kWeightBoxes), in the warpgroup-MMA configs but the 24- and 32-token
-    // e4m3 ones, whose stage 1 measured 4% slower so (bs=512 E=257, H200,
-    // 2026-12-01). Stage 2 does in every warpgroup-MMA config, one box per
-    // stage, and its activations too (kActTma) in the bf16 configs and the
-    // 24-token e4m3 one: there it took bs=512 E=257's stage 2 from 124.9 to
-    // 120.9 us (the call 0.989), while the 8-token ones measured 1.000-1.006
-    // of the call so (H200, 2026-12-04; 16 and 32 tokens not timed). The
-    // host builds the tensor maps these need.
-    static constexpr int kStage1WeightBoxes = WG && !(FP8 && NT >= 3) ? 2 : 0;
+    // kWeightBoxes), in every warpgroup-MMA config; the folded e4m3 forms
+    // from AITER's shuffled copy (kShuffledStage1). The 24- and 32-token
+    // ones read the raw rows by cp.async until TMA from that copy took
+    // bs=512 E=257's stage 1 from 195.0 to 188.8 us (the call 0.981; on the
+    // raw rows TMA had measured 4% slower, 2026-12-01; H200, 2026-12-04; 32
+    // tokens not timed). Stage 2 does in every warpgroup-MMA config, one box
+    // per stage, and its activations too (kActTma) in the bf16 configs and
+    // the 24-token e4m3 one: there it took bs=512 E=257's stage 2 from 124.9
+    // to 120.9 us (the call 0.989), while the 8-token ones measured
+    // 1.000-1.006 of the call so (H200, 2026-12-04; 16 and 32 tokens not
+    // timed). The host builds the tensor maps these need.
+    static constexpr int kStage1WeightBoxes = WG ? 2 : 0;
     static constexpr int kStage2WeightBoxes = WG ? 1 : 0;
     static constexpr bool kStage2ActTma = WG && (!FP8 || NT == 3);
     static constexpr int kStage2MinBlocks = WG && !FP8 ? 2 : NT == 1 ? (FP8 ? 3 : 4) : NT == 2 ? (FP8 ? 2 : 3)
