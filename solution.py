@@ -28,8 +28,8 @@ and wait for it on the device (wait_for_previous_kernel).
 
 The GEMMs read the raw weights, 16-byte runs of raw rows (one 32-value
 scale block each) copied straight into shared memory, except stage 1's
-folded form where TMA loads its weights (8- and 16-token e4m3 tiles): it
-reads AITER's shuffled copy (input #5), whose 16-row groups hold a scale
+folded form (e4m3 tiles of 8 to 32 tokens), where TMA loads its weights
+from AITER's shuffled copy (input #5), whose 16-row groups hold a scale
 block's 16 rows in 256 contiguous bytes, a stage's weights in runs of 2 KB
 rather than of 128 bytes (shuffled_weight_offset).
 
