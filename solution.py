@@ -790,7 +790,8 @@ FOLDED_STAGE2_TOKENS = (16, 24)
 # config's stage 2 does: fewer instructions per weight. At 24 tokens it took
 # bs=512 E=257's stage 2 from 120.9 to 108.7 us (the call 0.969; at two CTAs
 # per SM, 1.018; H200, 2026-12-04). The plain kernel of that width keeps the
-# config's warp rows: over two tiles at three CTAs it spilled.
+# config's warp rows: over two tiles at three CTAs it spilled. The kernels
+# and the host take the folded kernel's MT from folded_stage2_mt.
 FOLDED_STAGE2_TWO_TILE_TOKENS = (24,)
 # The e4m3 configs whose stage 2 has a second kernel for a K of one stage
 # (d_expert up to 256), at one CTA per SM more and a ring of fewer slots:
@@ -821,8 +822,8 @@ GEMM_CONFIG_SOURCE = (_config_macro("MOE_GEMM_CONFIGS", GEMM_CONFIGS)
                       + " || ".join(f"tokens == {n}" for n in FOLDED_STAGE2_TOKENS) + "; }\n"
                       + "constexpr bool one_stage_stage2_tokens(int tokens) { return "
                       + " || ".join(f"tokens == {n}" for n in ONE_STAGE_STAGE2_TOKENS) + "; }\n"
-                      + "constexpr bool two_tile_folded_stage2_tokens(int tokens) { return "
-                      + " || ".join(f"tokens == {n}" for n in FOLDED_STAGE2_TWO_TILE_TOKENS) + "; }\n")
+                      + "constexpr int folded_stage2_mt(int nt, int mt) { return ("
+                      + " || ".join(f"8 * nt == {n}" for n in FOLDED_STAGE2_TWO_TILE_TOKENS) + ") ? 2 : mt; }\n")
 
 
 def _wgmma_source(n: int, kind: str = "bf16") -> str:
@@ -3118,7 +3119,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_output_kernel(
     MOE_INSTANTIATE_STAGE1(NT, MT, WT, SB, STAGES, WG, FP8, false)                                         \
     MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, false, false)
 #define MOE_INSTANTIATE_FOLDED_ROWS(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
-    MOE_INSTANTIATE_STAGE2(NT, (two_tile_folded_stage2_tokens(8 * NT) ? 2 : MT2), WT, SB, STAGES, WG, FP8, true, false)
+    MOE_INSTANTIATE_STAGE2(NT, folded_stage2_mt(NT, MT2), WT, SB, STAGES, WG, FP8, true, false)
 #define MOE_INSTANTIATE_ONE_STAGE(NT, MT, WT, SB, STAGES, WG, FP8, MT2) \
     MOE_INSTANTIATE_STAGE2(NT, MT2, WT, SB, STAGES, WG, FP8, false, true)
 MOE_GEMM_CONFIGS(MOE_INSTANTIATE)
@@ -4424,7 +4425,7 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
 // FOLDED_STAGE2_TWO_TILE_TOKENS).
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 void launch_stage2(const MoeCall& c, const TileTable& t) {
-    constexpr int kFoldedMT = two_tile_folded_stage2_tokens(8 * NT) ? 2 : MT;
+    constexpr int kFoldedMT = folded_stage2_mt(NT, MT);
     // kernel: a stage2_kernel of shape S whose ring is kStage2Ring<S, one_stage::value>.
     auto launch = [&](auto kernel, auto shape, auto one_stage) {
         using S = decltype(shape);

@@ -40,7 +40,7 @@ void show() {
                                       ? kStage2Ring<S2, true> : kStage2Ring<S2>) / 1024.0);
     // The folded-rows stage 2 there, where the config has one (its own shape for
     // FOLDED_STAGE2_TWO_TILE_TOKENS).
-    using S2F = GemmShape<NT, two_tile_folded_stage2_tokens(NT * 8) ? 2 : MT2, WT, SB, STAGES, WG, FP8>;
+    using S2F = GemmShape<NT, folded_stage2_mt(NT, MT2), WT, SB, STAGES, WG, FP8>;
     if (FP8 && folded_stage2_tokens(NT * 8))
         printf(" %8.1f", S2F::shared_bytes(8, kStage2EpilogueBytes<S2F>, 8, kStage2Ring<S2F>) / 1024.0);
     else
