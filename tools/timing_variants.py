@@ -93,6 +93,20 @@ _PLAIN_E4M3_RESCALE = ("                            acc[mt][nt][i] = fmaf(sum[mt
                        "act_factor[nt][i & 1],\n"
                        "                                                  acc[mt][nt][i]);")
 
+# The no_mma variants' stand-in for a warpgroup MMA: the A fragment (four
+# registers) kept live and the accumulator tile (tiles x 4 floats) made
+# opaque, with no instruction of their own, so that neither the fragment's
+# conversion nor the work after K on the sums is compiled away.
+def _keep_live(fragment: str, accumulators: str, tiles: str, indent: str) -> str:
+    # One braced statement: the MMA it replaces may be a loop's unbraced body.
+    return (f'{indent}{{ asm volatile("" :: "r"({fragment}[0]), "r"({fragment}[1]), "r"({fragment}[2]), '
+            f'"r"({fragment}[3]));\n'
+            "#pragma unroll\n"
+            f"{indent}for (int n8 = 0; n8 < {tiles}; ++n8)\n"
+            "#pragma unroll\n"
+            f'{indent}    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"({accumulators}[n8][i])); }}')
+
+
 # name: (what it removes, [edit, ...]), an edit being alternatives (old, new), ...
 VARIANTS = {
     "wide_no_act_copy": (
@@ -294,6 +308,26 @@ VARIANTS = {
            "                    for (int s = 0; s < 2; ++s)\n"
            "                        wgmma_m64n64k16(acc[0], a[0][s], act_descriptor + S::act_offset(0, block * 4 + 2 * s) / 16, 1u);\n",
            _E4M3_PLAIN_BLOCK),)]),
+    "plain_folded_no_mma": (
+        "the plain e4m3 stage 1's folded pass (16 to 32 tokens) issues no MMAs: each block's A fragment is "
+        "still built, then only kept live, and the accumulators are opaque to the compiler (the epilogue's work "
+        "stays); with plain_folded_no_convert, what the weight stream alone takes",
+        [(("                    wgmma_e4m3_mma<WT * 8>(acc[mt], a[mt], act_descriptor + S::act_offset(0, 2 * block) "
+           "/ 16, 1u);",
+           _keep_live("a[mt]", "acc[mt]", "WT", " " * 20)),)]),
+    "plain_e4m3_no_mma": (
+        "the plain e4m3 per-block pass (both stages of the 8-token configs, stage 2 of every e4m3 config) "
+        "issues no MMAs: the A fragments are built and kept live, each block's sums opaque, so the per-block "
+        "rescale still runs; with plain_e4m3_no_convert, what the stream and the rescale take",
+        [(("                    wgmma_e4m3<WT>(sums[q][mt], a[mt], act_descriptor + S::act_offset(0, 2 * block) / 16);",
+           _keep_live("a[mt]", "sums[q][mt]", "WT", " " * 20)),)]),
+    "wide_folded_no_mma": (
+        "the folded wide consumers (both wide stages) issue no MMAs: the A "
+        "fragments are built and kept live, the accumulators opaque; with wide_folded_no_convert, what the "
+        "weight stream alone takes",
+        [(("        wgmma_e4m3_mma<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,\n"
+           "                                !first_of_tile || block > 0);",
+           _keep_live("a", "acc", "kTokens / 8", " " * 8)),)]),
     "plain_half_act_copy": (
         "gemm_mainloop's cp.async activation copies halved (the plain and e4m3 configs' stage 1; the other "
         "half of the tile's activations is stale shared memory): the copy instructions and L2 bytes of "
