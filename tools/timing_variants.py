@@ -138,7 +138,7 @@ VARIANTS = {
           ("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h][0], block, kWide);",
            "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h][0];"))]),
     "wide_folded_no_convert": (
-        "the folded wide consumers (stage 1 at 64 and 144 tokens, stage 2 at 144) give their e4m3 MMAs the raw "
+        "the folded wide consumers (both wide stages, every width) give their e4m3 MMAs the raw "
         "fp4 words and their scale words (no fold through the tables, no window test per word): what the conversion "
         "chain between a block's ldmatrix and its MMA costs",
         [(("            const uint2 bytes = rows.fold(h, words[h], byte_perm(scales[h], 0u, 0x4440u | block), "
@@ -322,7 +322,7 @@ VARIANTS = {
         [(("                    wgmma_e4m3<WT>(sums[q][mt], a[mt], act_descriptor + S::act_offset(0, 2 * block) / 16);",
            _keep_live("a[mt]", "sums[q][mt]", "WT", " " * 20)),)]),
     "wide_folded_no_mma": (
-        "the folded wide consumers (both wide stages) issue no MMAs: the A "
+        "the folded wide consumers (both wide stages, every width) issue no MMAs: the A "
         "fragments are built and kept live, the accumulators opaque; with wide_folded_no_convert, what the "
         "weight stream alone takes",
         [(("        wgmma_e4m3_mma<kTokens>(acc, a, act_descriptor + W::act_offset(0, 2 * block) / 16,\n"
