@@ -39,12 +39,12 @@ operands that carry their block scales: the weights are
 converted fp4 -> bf16 times their E8M0 scale in registers, and Qa writes its
 dequantised activations as bf16. Every product is exact and the MMA sums the
 whole K in fp32: the exact a4w4 value up to fp32 summation order. On sm_90,
-8- and 16-token tiles instead run e4m3 warpgroup MMAs (E2M1 is exact in
+tiles of 8 to 32 tokens instead run e4m3 warpgroup MMAs (E2M1 is exact in
 E4M3, and the fp4 -> e4m3 conversion is cheaper than fp4 -> bf16): each
 32-value block's exact sum is scaled by its two block scales in fp32, again
 exact up to summation order. (The e4m3 mma.sync runs on sm_90 as F2FP
 conversions plus fp16 HMMA; Hopper's fp8 tensor cores are reachable only
-through wgmma.) With wide tiles (64 or 144 tokens) and token rows of up to
+through wgmma.) With wide tiles (48, 64 or 144 tokens) and token rows of up to
 8,192 values, stage 1 runs e4m3 warpgroup MMAs on folded operands: Qa writes
 each token's values as E4M3 bytes against its row's largest block exponent,
 the weights fold against each row's first block, and each sum is scaled once
