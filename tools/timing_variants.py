@@ -21,20 +21,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# The e4m3 variants' m64n64k32 warpgroup MMA: solution.py builds it for the
-# folded wide stage 1 of both widths and the narrow folded pass (the fourth form, left as it is); an older
-# solution.py built the 144-token one only, and this edit of its Python has it
-# build both, as one expression that no longer holds the edit's old text (so
-# that two e4m3 variants combine: the second finds the second form and leaves it).
-_E4M3_64_WRAPPER = (('_wgmma_source(144, "e4m3") + r"""',
-                     '"".join(_wgmma_source(n, "e4m3") for n in (64, 144)) + r"""'),
-                    ('"".join(_wgmma_source(n, "e4m3") for n in (64, 144)) + r"""',
-                     '"".join(_wgmma_source(n, "e4m3") for n in (64, 144)) + r"""'),
-                    ('"".join(_wgmma_source(n, "e4m3") for n in WIDE_TILE_TOKENS) + r"""',
-                     '"".join(_wgmma_source(n, "e4m3") for n in WIDE_TILE_TOKENS) + r"""'),
-                    ('"".join(_wgmma_source(n, "e4m3") for n in (8, 16, 24, 32, *WIDE_TILE_TOKENS)) + r"""',
-                     '"".join(_wgmma_source(n, "e4m3") for n in (8, 16, 24, 32, *WIDE_TILE_TOKENS)) + r"""'))
-
 # wgmma_e4m3_wide<kTokens>: wide_e4m3_mma's dispatcher over the two widths.
 _E4M3_WIDE_DISPATCH = """template <int kTokens>
 __device__ __forceinline__ void wgmma_e4m3_wide(float (&d)[kTokens / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
@@ -112,61 +98,36 @@ VARIANTS = {
     "wide_no_act_copy": (
         "stage1_wide_kernel's loaders copy no activations (the consumers read stale shared memory)",
         [(("                for (int j = 0; j < kPasses; ++j)\n"
-           "                    cp_async_16(base + act_dst",
-           "                for (int j = 0; j < 0 * kPasses; ++j)\n"
-           "                    cp_async_16(base + act_dst"),
-          ("                for (int j = 0; j < kPasses; ++j)\n"
            "                    cp_async_16_or_zeros(base + act_dst",
            "                for (int j = 0; j < 0 * kPasses; ++j)\n"
-           "                    cp_async_16_or_zeros(base + act_dst"))]),
+           "                    cp_async_16_or_zeros(base + act_dst"),)]),
     "wide_half_act_copy": (
         "stage1_wide_kernel's loaders copy the activations of half the tile's tokens (the others read stale "
         "shared memory): the copy instructions and L2 bytes of one-byte (e4m3) activations",
         [(("                for (int j = 0; j < kPasses; ++j)\n"
-           "                    cp_async_16(base + act_dst",
-           "                for (int j = 0; j < kPasses / 2; ++j)\n"
-           "                    cp_async_16(base + act_dst"),
-          ("                for (int j = 0; j < kPasses; ++j)\n"
            "                    cp_async_16_or_zeros(base + act_dst",
            "                for (int j = 0; j < kPasses / 2; ++j)\n"
-           "                    cp_async_16_or_zeros(base + act_dst"))]),
+           "                    cp_async_16_or_zeros(base + act_dst"),)]),
     "wide_no_dequant": (
         "both wide kernels' consumers give their MMAs the raw fp4 words (no conversion or scaling); "
         "stage2_wide_kernel<64>'s MMAs then serialise (ptxas C7512), so its stage 2 is no bound",
-        [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);",
-           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h];"),
-          ("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h][0], block, kWide);",
-           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h][0];"))]),
+        [(("for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h][0], block, kWide);",
+           "for (int h = 0; h < 2; ++h) a[0][h] = a[0][2 + h] = a[1][h] = a[1][2 + h] = words[h] ^ scales[h][0];"),)]),
     "wide_folded_no_convert": (
         "the folded wide consumers (both wide stages, every width) give their e4m3 MMAs the raw "
         "fp4 words and their scale words (no fold through the tables, no window test per word): what the conversion "
         "chain between a block's ldmatrix and its MMA costs",
-        [(("            const uint2 bytes = rows.fold(h, words[h], byte_perm(scales[h], 0u, 0x4440u | block), "
+        [(("            const uint2 bytes = rows.fold_checked(h, words[h], scales[h][block / 4], block % 4, "
            "outside[h]);",
-           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),
-          ("            const uint2 bytes = rows.fold(h, words[h], scales[h], block, outside[h]);",
-           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h]);"),
-          ("            const uint2 bytes = rows.fold(h, words[h], scales[h][block / 4], block % 4, outside[h]);",
-           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h][block / 4]);"),
-          ("            const uint2 bytes = rows.fold_checked(h, words[h], scales[h][block / 4], block % 4, "
-           "outside[h]);",
-           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h][block / 4]);"))]),
+           "            const uint2 bytes = make_uint2(words[h], words[h] ^ scales[h][block / 4]);"),)]),
     "plain_folded_no_convert": (
         "the plain e4m3 stage 1's folded pass (16 to 32 tokens) gives its MMAs the raw fp4 words and their "
         "scale words (no fold through the tables, no window test per word): what the conversion costs that kernel",
-        [(("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], scale, "
-           "outside_window);",
-           "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h] ^ scale);"),
-          ("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], "
-           "scales[mt][h][block / 4],\n"
-           "                                                                 block % 4, outside_window);",
-           "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h]\n"
-           "                                                       ^ scales[mt][h][block / 4]);"),
-          ("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], "
+        [(("                        const uint2 bytes = folded_rows[mt].fold(h, w[mt][2 * q + h], "
            "scales[mt][h][block / 4],\n"
            "                                                                 block % 4);",
            "                        const uint2 bytes = make_uint2(w[mt][2 * q + h], w[mt][2 * q + h]\n"
-           "                                                       ^ scales[mt][h][block / 4]);"))]),
+           "                                                       ^ scales[mt][h][block / 4]);"),)]),
     "plain_e4m3_no_convert": (
         "the plain e4m3 per-block pass (the 8-token configs, and the folded kernels' redo) gives its MMAs the raw "
         "fp4 words (no E2M1 -> E4M3 conversion; the per-block rescale kept)",
@@ -179,16 +140,10 @@ VARIANTS = {
     "wide_s2_no_act_copy": (
         "stage2_wide_kernel loads no activations (its TMA boxes of the tile's rows, bf16 or folded; the consumers "
         "read stale shared memory): what re-reading a tile's intermediate rows from L2 for every row tile costs",
-        [(("mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + W::kActBytes);",
-           "mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);"),
-          ("mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + kActBytes);",
-           "mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);")),
-         (("                for (int h = 0; h < 2; ++h)\n"
-           "                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,",
-           "                for (int h = 0; h < 0; ++h)\n"
-           "                    tma_load_2d(base + W::kActOffset + h * (kTokens * 128), &inter_map,"),
-          # the folded stage 2's form: its one box skipped too (it then takes the bf16 loop, of no boxes)
-          ("                if constexpr (kFolded)\n"
+        [(("mbarrier_arrive_expecting(&full[slot], W::kWeightBytes + kActBytes);",
+           "mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);"),),
+         # the folded box skipped too (the folded stage 2 then takes the bf16 loop, of no boxes)
+         (("                if constexpr (kFolded)\n"
            "                    tma_load_2d(base + W::kActOffset, &inter_map, first_block * kScaleBlock, tile.row_start,\n"
            "                                &full[slot]);\n"
            "                else\n"
@@ -199,7 +154,7 @@ VARIANTS = {
            "                                &full[slot]);\n"
            "                else\n"
            "#pragma unroll\n"
-           "                    for (int h = 0; h < 0; ++h)\n"))]),
+           "                    for (int h = 0; h < 0; ++h)\n"),)]),
     "wide_no_copy_wait": (
         "stage1_wide_kernel's loaders mark a stage full once the next stage's copies are issued, without "
         "waiting for the stage's own copies to land, and its units never ask for the bf16 redo (the consumers "
@@ -272,29 +227,20 @@ VARIANTS = {
         "fragments built as folded e4m3 would be (a magnitude table per row and block, signs spread), B the "
         "same activation bytes (wrong values): what e4m3 MMAs on folded operands could give the wide tiles "
         "before their activations shrink to one byte",
-        [_E4M3_64_WRAPPER,
-         (("    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n",
+        [(("    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n",
            "    else wgmma_m64n64k16(d, a, b_descriptor, accumulate);\n}\n" + _E4M3_WIDE_DISPATCH),),
-         (("            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h], block, kWide);\n"
+         (("            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h][0], block, kWide);\n"
            "            wgmma_fence();\n"
            "#pragma unroll\n"
            "            for (int step = 0; step < 2; ++step)\n"
            "                wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,\n"
            "                                    !first_of_tile || block > 0 || step > 0);\n",
-           _E4M3_FOLDED_BLOCK),
-          ("            for (int h = 0; h < 2; ++h) bf16_fragment_half(a, h, words[h], scales[h][0], block, kWide);\n"
-           "            wgmma_fence();\n"
-           "#pragma unroll\n"
-           "            for (int step = 0; step < 2; ++step)\n"
-           "                wgmma_wide<kTokens>(acc, a[step], act_descriptor + W::act_offset(0, block * 4 + 2 * step) / 16,\n"
-           "                                    !first_of_tile || block > 0 || step > 0);\n",
-           _E4M3_FOLDED_BLOCK.replace("scales[h] >>", "scales[h][0] >>")))]),
+           _E4M3_FOLDED_BLOCK.replace("scales[h] >>", "scales[h][0] >>")),)]),
     "plain_e4m3_mma": (
         "the plain configs' warps (the 64-token wgmma stage 1) take one e4m3 m64n64k32 MMA per scale block "
         "instead of two bf16 k16 ones, on A fragments built as folded e4m3 would be, B the same activation "
         "bytes (wrong values): what e4m3 MMAs on folded operands could give the 64-token stage 1",
-        [_E4M3_64_WRAPPER,
-         (("#pragma unroll\n"
+        [(("#pragma unroll\n"
            "                for (int mt = 0; mt < MT; ++mt)\n"
            "#pragma unroll\n"
            "                    for (int h = 0; h < 2; ++h)\n"
