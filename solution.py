@@ -63,9 +63,10 @@ runs. Only the e4m3 tensor cores' accumulation keeps
 fewer bits than fp32 (about 1e-6 relative, tools/fp8_accumulation.py).
 
 On ROCm with AITER importable, AITER's fused_moe runs (as the official
-submission template does; our kernels have not been verified on AMD). Anywhere
-else, or if the build fails, the PyTorch path of reference.py runs, after one
-warning that says why.
+submission template does; our kernels have not been verified on AMD). On CPU
+tensors the PyTorch path of reference.py runs; on a GPU the kernels do not
+take (ROCm without AITER, NVIDIA before sm_89), or if the build fails, it runs
+after one warning that says why.
 
 `python solution.py` is a self-benchmark (see the end of this file).
 """

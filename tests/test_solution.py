@@ -1090,6 +1090,19 @@ def test_gpu_older_than_tested_warns_and_falls_back():
         assert solution._cuda_backend((8, 0)) == ("torch", None)
 
 
+def test_cpu_tensors_take_the_torch_path_without_a_warning():
+    """CPU tensors are a supported input (README: Dispatch), not a fallback:
+    the PyTorch path runs silently and agrees with the reference."""
+    import warnings
+    data = to_cpu(small_input(bs=3, seed=5))
+    solution._backend_cache.pop(("cpu", None), None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        output = solution.custom_kernel(data)
+    assert solution._backend(torch.device("cpu")) == ("torch", None)
+    assert torch.equal(output, reference.ref_kernel(data))
+
+
 def test_the_extension_links_the_shared_libstdcxx(monkeypatch, tmp_path):
     """load_inline gets LINK_FLAGS and the cache key covers them: on the H200
     machine an extension built without them carried a private copy of the
