@@ -64,9 +64,9 @@ def run_ab(tmp_path, checkout, versions, **env_extra):
 
 
 @pytest.mark.parametrize("parts, builds", [(["ab"], False), (["mma"], False), (["ab", "mma"], False),
-                                           (["routephases"], False), (["selfbench", "ab"], True), (["tests"], True),
-                                           ([], True)])
-def test_the_build_step_runs_unless_only_ab_mma_and_routephases_are_asked(tmp_path, parts, builds):
+                                           (["routephases"], False), (["ctatimeline", "ab"], False),
+                                           (["selfbench", "ab"], True), (["tests"], True), ([], True)])
+def test_the_build_step_runs_unless_only_tools_with_their_own_builds_are_asked(tmp_path, parts, builds):
     assert ("=== build" in run_script(tmp_path, "ok", {"base.py": "ok"}, parts)) == builds
 
 
@@ -164,3 +164,14 @@ def test_routephases_step_runs_the_stamped_build_on_the_named_shapes(tmp_path, e
 
 def test_routephases_is_not_part_of_all(tmp_path):
     assert "route_phases" not in run_script(tmp_path, "ok", {}, [])
+
+
+@pytest.mark.parametrize("env, expected", [({}, "python3 tools/cta_timeline.py"),
+                                           ({"CTA_SHAPES": "2 4"}, "python3 tools/cta_timeline.py 2 4")])
+def test_ctatimeline_step_runs_the_stamped_build_on_the_named_shapes(tmp_path, env, expected):
+    out = run_script(tmp_path, "ok", {}, ["ctatimeline"], **env)
+    assert expected in out.splitlines(), out
+
+
+def test_ctatimeline_is_not_part_of_all(tmp_path):
+    assert "cta_timeline" not in run_script(tmp_path, "ok", {}, [])

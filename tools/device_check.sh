@@ -2,7 +2,7 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|basetests|official|profile|host|flush|routephases|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
+#   tools/device_check.sh [tests|basetests|official|profile|host|flush|routephases|ctatimeline|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
 #   (default: all)
 #   (tests = the GPU tests and eval.py test; PYTEST_K="EXPR" runs only the GPU tests that
 #    pytest -k EXPR selects, for a lean call; basetests = GPU tests against .ab/base.py, in a
@@ -17,6 +17,9 @@
 #    routephases = the first kernel's routing CTA phase by phase, and its Qa CTAs' span, on the
 #    benchmark shapes ROUTE_SHAPES names (indices 0-6, default "1 2 5"; tools/route_phases.py, its
 #    own stamped build, about a minute; not part of "all");
+#    ctatimeline = when each CTA of the GEMM kernels runs: slots, CTA times, the last wave, the
+#    shared expert's and the repeated tiles' share, on the benchmark shapes CTA_SHAPES names
+#    (indices 0-6, default "1 2 4"; tools/cta_timeline.py, its own stamped build; not part of "all");
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
@@ -61,10 +64,10 @@ step "device"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# Skipped when only ab, mma and routephases are asked: ab's smoke step builds every version at
-# once (this checkout's too) and stops one that does not pass; the mma and routephases tools
+# Skipped when only ab, mma, routephases and ctatimeline are asked: ab's smoke step builds every
+# version at once (this checkout's too) and stops one that does not pass; the other three tools
 # build their own.
-if [[ -n $(printf '%s\n' $parts | grep -v -x -e ab -e mma -e routephases) ]]; then
+if [[ -n $(printf '%s\n' $parts | grep -v -x -e ab -e mma -e routephases -e ctatimeline) ]]; then
 step "build"
 # The library's path is printed too: the cache may also hold other versions' (ab).
 python3 -c "import solution, torch; backend, module = solution._backend(torch.device('cuda'))
@@ -174,6 +177,10 @@ fi
 if asked routephases; then   # not part of "all"
   step "the first kernel's phases (tools/route_phases.py)"
   python3 tools/route_phases.py ${ROUTE_SHAPES:-} 2>"$OUT/route_phases.err" | tee "$OUT/route_phases.log" || status=1
+fi
+if asked ctatimeline; then   # not part of "all"
+  step "when each GEMM CTA runs (tools/cta_timeline.py)"
+  python3 tools/cta_timeline.py ${CTA_SHAPES:-} 2>"$OUT/cta_timeline.err" | tee "$OUT/cta_timeline.log" || status=1
 fi
 if asked sweep; then
   step "config sweep"
