@@ -33,7 +33,7 @@ medians over the calls of:
 The stamped build is a copy with text edits (EDITS, each of which must
 apply exactly once, as tools/route_phases.py's do) and one more host
 function, moe_forward_stamped (moe_forward's arguments; returns the stamps).
-The stamps cost thread 0 of each CTA three global stores.
+The stamps cost thread 0 of each CTA six global stores and three timer reads.
 """
 import hashlib
 import os
