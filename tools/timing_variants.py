@@ -282,6 +282,19 @@ VARIANTS = {
            "                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {",
            "            for (int j = 0; j < (S::kActChunks + 1) / 2; ++j)\n"
            "                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {"),)]),
+    "no_empty_fallbacks": (
+        "the wide path's three fallback kernels, which leave at once unless a fold failed (folded_fallback_kernel, "
+        "the bf16 stage-1 redo, the bf16 stage-2 redo), not launched, nor the down weights' fold check with them: "
+        "what their places in the kernel chain cost the wide shapes, whose benchmark inputs never need them",
+        [(("        launch_after_previous(folded_fallback_kernel, dim3(sm_count()), kFallbackThreads, 0, c.stream,\n",
+           "        if (c.d_hidden < 0) launch_after_previous(folded_fallback_kernel, dim3(sm_count()), kFallbackThreads, "
+           "0, c.stream,\n"),),
+         (("        launch(stage1, W::kSharedBytes, W::kStageBlocks, c.act.fallback_bytes(), nullptr, redo_tiles);\n",
+           "        if (c.d_hidden < 0) launch(stage1, W::kSharedBytes, W::kStageBlocks, c.act.fallback_bytes(), nullptr, "
+           "redo_tiles);\n"),),
+         (("        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));\n",
+           "        if (c.d_hidden < 0) launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, "
+           "inter_map(c, kTokens));\n"),)]),
     "narrow_first_tiles_only": (
         "the narrow stages' CTAs (stage1_kernel, stage2_kernel) leave at once unless their tile is its expert's "
         "first: each crowded expert (the shared one's 22 tiles at bs=512 E=257, 16 at bs=128 E=257) costs "
