@@ -55,7 +55,9 @@ by a pass of their own after stage 1; whether all of them and all down-weight
 rows fold is known before it starts (its adds are final), and if not the bf16
 kernel does all of stage 2. The plain e4m3 tiles' stage 1 reads the same
 folded activations: from 16 tokens on folded weights too, at 8 tokens with
-each block's sum scaled by its weight scale alone; a CTA whose rows or
+each block's sum scaled by its weight scale alone (from
+TOKEN_SCALED_MIN_PAIRS token-expert pairs; with fewer, per block on Qa's
+codes and block scales); a CTA whose rows or
 tokens do not fit runs its K again per block. With d_expert up to 256 their
 stage 2 at 16 and 24 tokens folds too: a pass rewrites the intermediate
 rows, and each stage chooses the folded or the per-block form before it
@@ -727,8 +729,9 @@ class KernelConfig(NamedTuple):
     stages: int         # pipeline depth
     wgmma: bool         # warpgroup MMAs (sm_90a; 16-row warps with all the tile's tokens)
     fp8: bool = False   # e4m3 warpgroup MMAs, block scales applied per block (8 to 32 tokens)
-    stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (e4m3: 32, two MMA tiles)
-    wide_tile_tokens: int = 0   # one of WIDE_TILE_TOKENS: the warp-specialised wide kernels (bf16 wgmma)
+    stage2_warp_rows: int = 0   # stage 2's weight rows per warp, if not warp_rows (8-token e4m3: 32, two MMA tiles)
+    wide_tile_tokens: int = 0   # one of WIDE_TILE_TOKENS: the warp-specialised wide kernels (e4m3 MMAs on folded
+    #                             operands where Qa folds the rows, bf16 wgmma otherwise and for their redo)
     token_scaled: bool = True   # e4m3 tiles below FOLDED_STAGE1_MIN_TOKENS: stage 1 on activations folded
     #                             per token (else per block on Qa's codes; see TOKEN_SCALED_MIN_PAIRS)
 
@@ -759,8 +762,6 @@ GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8,
                 *(KernelConfig(64, 16, 64, 4, 4, True, False, 0, tokens) for tokens in WIDE_TILE_TOKENS),
                 KernelConfig(8, 16, 8, 8, 4, True, True, 32), KernelConfig(16, 16, 16, 8, 3, True, True),
                 KernelConfig(24, 16, 24, 8, 3, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
-# The kernels' template arguments, once each (a config with wide tiles
-# shares them with the plain one).
 # Every e4m3 config's stage 1 has a folded form (stage1_kernel's kFolded),
 # on activations Qa folds per token. From 16 tokens the weights fold too
 # (one accumulating MMA per block); at 8 tokens that stage loop had as many
@@ -806,6 +807,8 @@ ONE_STAGE_STAGE2_TOKENS = (8,)
 
 
 def _config_macro(name: str, configs) -> str:
+    """The configs' kernel template arguments as an X-macro, once each (a
+    config with wide tiles shares them with the plain one)."""
     return f"#define {name}(X) " + " ".join(dict.fromkeys(
         f"X({c.tile_tokens // 8}, {c.warp_rows // 16}, {c.warp_tokens // 8}, {c.stage_blocks}, {c.stages}, "
         f"{'true' if c.wgmma else 'false'}, {'true' if c.fp8 else 'false'}, "
@@ -833,8 +836,9 @@ def _wgmma_source(n: int, kind: str = "bf16") -> str:
     wgmma_descriptor_low); accumulate 0 gives d = a.b, the first MMA of a wide
     row tile, so that no accumulator is zeroed between tiles. kind "bf16":
     wgmma_m64n{n}k16; "e4m3": wgmma_m64n{n}k32_e4m3 (no transpose operands
-    for 8-bit types; the folded wide stage 1's, and timing_variants'
-    wide_e4m3_mma)."""
+    for 8-bit types; the folded passes' (the narrow stage 1 at 8 to 32
+    tokens, both wide stages), and tools/wgmma_chain.py's and
+    timing_variants' wide_e4m3_mma)."""
     name, shape, operands = {"bf16": (f"wgmma_m64n{n}k16", f"m64n{n}k16.f32.bf16.bf16", "1, 1, 0"),
                              "e4m3": (f"wgmma_m64n{n}k32_e4m3", f"m64n{n}k32.f32.e4m3.e4m3", "1, 1")}[kind]
     regs = n // 2
@@ -1044,7 +1048,7 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a
 #endif
 }
 // The folded passes' MMA, m64nNk32 e4m3 (gemm_mainloop's kFolded at N = 8
-// to 32 tokens, the wide kernels' folded forms at 64 and 144): one of the
+// to 32 tokens, the wide kernels' folded forms at 48, 64 and 144): one of the
 // generated wrappers above, d (+)= a.b.
 template <int N>
 __device__ __forceinline__ void wgmma_e4m3_mma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
@@ -4889,7 +4893,8 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
     sm_90 stage 2 runs in the warp-specialised wide kernel (loading warps,
     two compute warpgroups, no CTA barrier per stage), and so does stage 1
     where Qa can fold the activations into E4M3 bytes (e4m3 MMAs; see
-    WideTraits); with more than 96 tokens per expert both stages run over
+    WideTraits; otherwise the config's own 64-token stage 1); with more
+    than 96 tokens per expert both stages run over
     144-token tiles, converting each weight once for that many tokens, and
     up to 45 over 48-token tiles (bs=128 E=33: 32 +- 6 tokens per routed
     expert, which 64-token tiles ran half empty)."""
@@ -5110,15 +5115,19 @@ def custom_kernel(data: input_t) -> output_t:
 
 # A torch.library op around custom_kernel, so that torch.compile can trace a
 # model that calls it: the fake implementation gives the output's shape
-# without running anything. The config dict travels as its four sizes.
+# without running anything. The config dict travels as its four sizes and
+# the shared experts' count (which only the host's tile estimate reads: with
+# it the op chooses as custom_kernel does).
 @torch.library.custom_op("moe_mxfp4::moe", mutates_args=())
 def moe_op(hidden_states: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
            gate_up_weight_scale: torch.Tensor, down_weight_scale: torch.Tensor,
            gate_up_weight_shuffled: torch.Tensor, down_weight_shuffled: torch.Tensor,
            gate_up_weight_scale_shuffled: torch.Tensor, down_weight_scale_shuffled: torch.Tensor,
            topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-           d_hidden: int, d_expert: int, d_hidden_pad: int, d_expert_pad: int) -> torch.Tensor:
-    config = {"d_hidden": d_hidden, "d_expert": d_expert, "d_hidden_pad": d_hidden_pad, "d_expert_pad": d_expert_pad}
+           d_hidden: int, d_expert: int, d_hidden_pad: int, d_expert_pad: int,
+           n_shared_experts: int = 0) -> torch.Tensor:
+    config = {"d_hidden": d_hidden, "d_expert": d_expert, "d_hidden_pad": d_hidden_pad, "d_expert_pad": d_expert_pad,
+              "n_shared_experts": n_shared_experts}
     return custom_kernel((hidden_states, gate_up_weight, down_weight, gate_up_weight_scale, down_weight_scale,
                           gate_up_weight_shuffled, down_weight_shuffled, gate_up_weight_scale_shuffled,
                           down_weight_scale_shuffled, topk_weights, topk_ids, config))
@@ -5133,7 +5142,8 @@ def _moe_op_shape(hidden_states, *tensors_and_sizes):
 def moe_op_args(data: input_t) -> tuple:
     """custom_kernel's input tuple as moe_op's arguments."""
     config = data[11]
-    return tuple(data[:11]) + (config["d_hidden"], config["d_expert"], config["d_hidden_pad"], config["d_expert_pad"])
+    return tuple(data[:11]) + (config["d_hidden"], config["d_expert"], config["d_hidden_pad"], config["d_expert_pad"],
+                               config.get("n_shared_experts", 0))
 
 
 # ===========================================================================

@@ -1178,6 +1178,19 @@ def test_custom_op_under_torch_compile():
     assert torch.equal(out, solution.custom_kernel(data) * 2)
 
 
+def test_custom_op_passes_the_config_custom_kernel_reads(monkeypatch):
+    """The op's config carries what the dispatcher reads (the shared
+    experts' count steers the host's tile estimate), so that a compiled
+    model gets the choices an eager call gets."""
+    data = to_cpu(small_input(seed=23))
+    seen = {}
+    monkeypatch.setattr(solution, "custom_kernel", lambda d: seen.setdefault("config", d[11]) and d[0].clone())
+    solution.moe_op(*solution.moe_op_args(data))
+    read = ("d_hidden", "d_expert", "d_hidden_pad", "d_expert_pad", "n_shared_experts")
+    assert {k: seen["config"][k] for k in read} == {k: data[11][k] for k in read}
+    assert data[11]["n_shared_experts"] == 1
+
+
 @needs_cuda
 def test_custom_op_under_torch_compile_on_cuda():
     data = reference.generate_input(1024, 256, 16, 4, 1, 33, 22)
