@@ -4082,7 +4082,7 @@ int ctas_per_sm(Kernel kernel, int threads, int smem) {
 }
 
 // Launches every kernel of a call after its first (see
-// wait_for_previous_kernel): on sm_90, with programmatic dependent launch, so
+// wait_for_previous_kernel): on sm_90 and later, with programmatic dependent launch, so
 // that its CTAs are placed while the kernel before it finishes instead of
 // after; elsewhere as a plain launch.
 template <typename... Params, typename... Args>
@@ -4425,8 +4425,8 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     launch_swiglu_quantize<FP8>(c, slices);
 }
 
-// MT: stage 2's weight rows per warp (the config's stage2_warp_rows; two
-// tiles per warpgroup for the folded-rows kernel of
+// MT: stage 2's 16-row MMA tiles per warp (the config's stage2_warp_rows /
+// 16; two tiles per warpgroup for the folded-rows kernel of
 // FOLDED_STAGE2_TWO_TILE_TOKENS).
 template <int NT, int MT, int WT, int SB, int STAGES, bool WG, bool FP8>
 void launch_stage2(const MoeCall& c, const TileTable& t) {
@@ -4472,7 +4472,7 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
     launch(stage2_kernel<NT, MT, WT, SB, STAGES, WG, FP8, false, false>, S(), std::false_type());
 }
 
-// The wide kernels (bf16 warpgroup MMAs; e4m3 for the folded stage 1), with
+// The wide kernels (bf16 warpgroup MMAs; e4m3 for both stages' folded forms), with
 // stage 1's K slices and stage 2's row tiles per CTA sized for the CTAs per
 // SM the kernels get and the tile count the routing is expected to give.
 // folded (c.act holds quantize_hidden_row_folded's bytes): the e4m3 kernel,
@@ -4537,12 +4537,12 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     launch_swiglu_quantize<false>(c, slices);
 }
 
-// The grid: where the kernel fits one CTA per SM (both widths on the H200),
+// The grid: where the kernel fits one CTA per SM (every width on the H200),
 // one CTA per SM, so that one wave streams every (tile, row tile) pair (the
 // grid of a CTA per tile and group of 8 row tiles was 266 CTAs on 132 SMs
 // at bs=512 E=33, two waves and a tail of two: its stage 2 took 368 us
-// against this one's 316 at d2048); where more fit (the 64-token kernel
-// before its epilogue warps), CTAs of about stage2_row_tiles' row tiles at
+// against this one's 316 at d2048); where more fit (no width now; the
+// 64-token kernel before its epilogue warps), CTAs of about stage2_row_tiles' row tiles at
 // the tile count the host expects, as that grid had. Requested row tiles
 // size the grid the second way. Any grid covers every pair the routing
 // gives. (H200.) At bs=128 E=33 this kernel's stage 2 took 55 us against
@@ -4667,12 +4667,12 @@ torch::Tensor moe_forward(
     int* bad_ids = sorted_tokens + 2 * num_pairs;
     int* redo_tiles = bad_ids + 1;   // the folded wide stage 1's fallback (launch_wide_stage1)
     int* stage2_redo = redo_tiles + 1;   // the folded wide stage 2's (launch_wide_stage2)
-    // Wide tiles and the e4m3 configs' plain tiles take folded E4M3
-    // activations (both stage 1s' folded forms; below kFoldedStage1MinTokens
-    // tokens in the per-block order) where one Qa CTA holds a token's whole
-    // row; the wide stage 2 folds its own (fold_inter_rows_kernel), the plain
-    // ones run on the codes and block scales stage 1 writes, or on those rows
-    // folded (folded_rows below).
+    // Wide tiles and the e4m3 configs' plain tiles from kFoldedStage1MinTokens
+    // tokens, or below it with token_scaled (then in the per-block order),
+    // take folded E4M3 activations (both stage 1s' folded forms) where one Qa
+    // CTA holds a token's whole row; the wide stage 2 folds its own
+    // (fold_inter_rows_kernel), the plain ones run on the codes and block
+    // scales stage 1 writes, or on those rows folded (folded_rows below).
     const bool folded = (wide_tile_tokens > 0 || (fp8 && (tile_tokens >= kFoldedStage1MinTokens || token_scaled)))
                         && d_hidden_pad <= kPrepareColumns;
     const bool per_block_order = folded && fp8 && tile_tokens < kFoldedStage1MinTokens;
