@@ -836,7 +836,7 @@ def _wgmma_source(n: int, kind: str = "bf16") -> str:
     wgmma_descriptor_low); accumulate 0 gives d = a.b, the first MMA of a wide
     row tile, so that no accumulator is zeroed between tiles. kind "bf16":
     wgmma_m64n{n}k16; "e4m3": wgmma_m64n{n}k32_e4m3 (no transpose operands
-    for 8-bit types; the folded passes' (the narrow stage 1 at 8 to 32
+    for 8-bit types; the folded passes' (the narrow stage 1 at 16 to 32
     tokens, both wide stages), and tools/wgmma_chain.py's and
     timing_variants' wide_e4m3_mma)."""
     name, shape, operands = {"bf16": (f"wgmma_m64n{n}k16", f"m64n{n}k16.f32.bf16.bf16", "1, 1, 0"),
@@ -994,7 +994,7 @@ __device__ __forceinline__ uint32_t wgmma_descriptor_low(const void* p) {
 }
 constexpr uint32_t kWgmmaDescriptorHigh = (1024 >> 4) | 1u << 30;   // atom stride; 128-byte swizzle
 """ + "".join(_wgmma_source(n) for n in sorted({64, *WIDE_TILE_TOKENS})) \
-    + "".join(_wgmma_source(n, "e4m3") for n in (8, 16, 24, 32, *WIDE_TILE_TOKENS)) + r"""
+    + "".join(_wgmma_source(n, "e4m3") for n in (16, 24, 32, *WIDE_TILE_TOKENS)) + r"""
 // d(64 x 8*N8) = a(64 x 32) . b(32 x 8*N8), e4m3 in, fp32 out; d's previous
 // contents are discarded (scale-d false): one scale block's fresh sum. a
 // from registers in the k32 layout (thread t of a quad: k 4t..4t+3 of rows
@@ -1047,16 +1047,15 @@ __device__ __forceinline__ void wgmma_e4m3(float (&d)[N8][4], const uint32_t (&a
     __trap();
 #endif
 }
-// The folded passes' MMA, m64nNk32 e4m3 (gemm_mainloop's kFolded at N = 8
+// The folded passes' MMA, m64nNk32 e4m3 (gemm_mainloop's kFolded at N = 16
 // to 32 tokens, the wide kernels' folded forms at 48, 64 and 144): one of the
-// generated wrappers above, d (+)= a.b.
+// generated wrappers above, d (+)= a.b. (At 8 tokens stage 1 does not fold
+// its weights: wgmma_e4m3 above.)
 template <int N>
 __device__ __forceinline__ void wgmma_e4m3_mma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint32_t b_descriptor,
                                                uint32_t accumulate) {
-    static_assert(N == 8 || N == 16 || N == 24 || N == 32 || N == 48 || N == 64 || N == 144,
-                  "the generated e4m3 wrappers");
-    if constexpr (N == 8) wgmma_m64n8k32_e4m3(d, a, b_descriptor, accumulate);
-    else if constexpr (N == 16) wgmma_m64n16k32_e4m3(d, a, b_descriptor, accumulate);
+    static_assert(N == 16 || N == 24 || N == 32 || N == 48 || N == 64 || N == 144, "the generated e4m3 wrappers");
+    if constexpr (N == 16) wgmma_m64n16k32_e4m3(d, a, b_descriptor, accumulate);
     else if constexpr (N == 24) wgmma_m64n24k32_e4m3(d, a, b_descriptor, accumulate);
     else if constexpr (N == 32) wgmma_m64n32k32_e4m3(d, a, b_descriptor, accumulate);
     else if constexpr (N == 48) wgmma_m64n48k32_e4m3(d, a, b_descriptor, accumulate);
@@ -1360,9 +1359,9 @@ struct GemmShape {
     // other. 8-token tiles are capped at 64 registers so that 1024 threads
     // fit per SM, 16-token tiles at 80 (768 threads; 64 would spill).
     // bf16 warpgroup-MMA CTAs are capped at 128 registers so that two fit
-    // per SM; e4m3 ones at 80 (8 tokens; 64 spills), 170 (8 and 24 tokens
-    // in 128-thread CTAs of two 64-row tiles per warpgroup: three CTAs) and
-    // 128 (16 to 32 tokens; 80 spills at 16).
+    // per SM; e4m3 ones at 170 (8 and 24 tokens in 128-thread CTAs of two
+    // 64-row tiles per warpgroup: three CTAs; 128 for the 8-token one-stage
+    // kernel's four) and 128 (16 to 32 tokens; 80 spills at 16).
     static constexpr int kStage1MinBlocks = WG ? 2 : 1;
     // Stage 1's folded form (stage1_kernel's kFolded) folds the weights too
     // (see FOLDED_STAGE1_MIN_TOKENS).
@@ -1435,7 +1434,8 @@ struct GemmShape {
 // next tile's stages load while this one finishes (short-K CTAs otherwise
 // wait for their only stages with nothing in flight). After each tile but
 // the last, tile_done(acc, i) takes the accumulators, which then restart at
-// zero; the last tile's are left in acc. mma.sync configs only (kRowTiles).
+// zero; the last tile's are left in acc. Not in the bf16 warpgroup-MMA
+// configs (S::kRowTiles: the mma.sync and e4m3 ones).
 // kPath: how a stage picks the narrow or the wide weight-scale path (see
 // ScalePath); returns, for kNarrowChecked, whether any weight scale needed
 // the wide path, for kTokenScaled, whether any was above
@@ -1450,9 +1450,10 @@ struct GemmShape {
 // token-scaled pass, and then multiplies its sums by the rows' 2^base (the
 // row tile's only stage: its accumulators were zero); any other takes kWide
 // on the rows' block scales (2^(base - 6) for a folded row).
-// kFoldedBytes (e4m3 stage 1 on quantize_hidden_row_folded's bytes): the
-// activations are in folded_act_position's order, so kWide converts the
-// weights to that order too.
+// kFoldedBytes (e4m3 stage 1 from kFoldedStage1MinTokens tokens, on
+// quantize_hidden_row_folded's bytes in folded order): the activations are
+// in folded_act_position's order, so kWide converts the weights to that
+// order too.
 enum class ScalePath {
     kVote,            // every stage votes (a CTA barrier's OR) and takes the path its scales need
     kNarrowChecked,   // every stage narrow, no vote; each thread checks the scales it loads
@@ -1870,9 +1871,11 @@ __device__ __forceinline__ bool gemm_mainloop(
     // overflow, the first applied exactly; scale byte 255 is NaN. (Generic
     // in wide, a std::bool_constant, so that only FP8 configs compile it.)
     // kTokenScaled (and kVoteTokenScaled's narrow stages): the activations are folded bytes, each
-    // token's blocks against its own base (quantize_hidden_row_folded in
-    // the per-block order), so P * 2^(s - 121) alone, one fma with no
-    // activation factor: the tokens' 2^base multiply the sums after K.
+    // row's blocks against its own base (stage 1: quantize_hidden_row_folded
+    // in the per-block order; stage 2: fold_inter_codes_kernel's rows), so
+    // P * 2^(s - 121) alone, one fma with no activation factor: the rows'
+    // 2^base multiply the sums afterwards (stage1_kernel after K,
+    // compute_stage after a stage-2 row tile's only stage).
     auto compute_blocks_fp8 = [&](auto wide, const uint8_t* w_s, const uint8_t* a_s, const float* a_scale_s) {
         constexpr bool kWide = decltype(wide)::value;
         constexpr bool kTokenScaled = !kWide && (kPath == ScalePath::kTokenScaled
@@ -2169,8 +2172,9 @@ __device__ __forceinline__ bool gemm_mainloop(
     }
     if constexpr (S::kWgmma) wgmma_wait<0>();   // the accumulators, and shared memory for the epilogue
     if constexpr (kPath == ScalePath::kFolded) {
-        // A first scale byte above kFp8NarrowScale has no exact 2^(base - 127)
-        // factor, and its window would reach 255 (NaN): K again per block.
+        // A first scale byte above kFp8NarrowScale (a bound stricter than
+        // kFoldMaxFirstScale, above which the window would reach 255, NaN):
+        // K again per block.
         bool per_block = row_outside != 0u;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -3165,35 +3169,40 @@ MOE_INSTANTIATE_ROUTE(true, true)
 """
 
 # ===========================================================================
-# Kernel source: both stages over wide tiles (bf16, sm_90a, warp-specialised)
+# Kernel source: both stages over wide tiles (sm_90a, warp-specialised)
 # ===========================================================================
 STAGE2_WIDE_SOURCE = r"""
 namespace moe {
 // Stage 2 over wide tiles of kTokens tokens (the routing's tiles),
-// for bf16 warpgroup-MMA calls with more than 28 tokens per expert: each
-// converted weight then feeds kTokens tokens of MMA work. One or two CTAs per
-// SM (WideTraits), so the
+// for warpgroup-MMA calls with more than 28 tokens per expert: each
+// converted weight then feeds kTokens tokens of MMA work. One CTA per SM
+// at every width (WideTraits), so the
 // pipeline must not stop at CTA barriers: warp 8 only loads (weights and
 // activations by TMA, weight scales by cp.async) into a ring of slots, each
 // with a full mbarrier (its bytes and 32 cp.async arrivals) and an empty one
 // (each consumer thread's arrival once its warpgroup's MMAs that read the
-// slot are complete); warps 0-7, two warpgroups of 64 rows, only convert, multiply
-// and add. A CTA streams row_tiles row tiles of 128 output columns, the
-// next tile's stages loading while it adds one into the accumulator.
+// slot are complete); warps 0-7, two warpgroups of 64 rows, only convert and
+// multiply, and epilogue warps add (WideStage2::epilogue_warps; in the bf16
+// 144-token kernel, which has none, the consumers add). A CTA streams its
+// even share of every (tile, row tile) pair, row tiles of 128 output
+// columns, the next tile's stages loading while one is added into the
+// accumulator.
 // What differs between the tile widths (kCtasPerSm: stage 2's CTAs per SM;
-// stage 1's are kCtasPerSm1, with a kRing1-slot ring and kProducerWarps1
-// loading warps). 144 tokens (72 accumulators per thread, 45 KB stages):
-// one CTA per SM in both stages, a 4-slot ring in stage 1. 64 tokens: stage
+// stage 1's are kCtasPerSm1, with a kRing1-slot ring, kRing1Folded for its
+// folded form's stages of 8 blocks, and kProducerWarps1 loading warps). 144
+// tokens (72 accumulators per thread): one CTA per SM in both stages; stage
+// 1 in 3 slots of 53 KB folded (4 of 45 KB in bf16). 64 tokens: stage
 // 2 at one CTA per SM with a 6-slot ring and epilogue warps (it ran at two
 // CTAs per SM, to hide the latency one CTA's eight compute warps leave,
 // until the adds moved to warps of their own); stage 1 (the
-// folded e4m3 form only) at one CTA per SM with a 6-slot ring of 25 KB
-// stages. At bs=128 E=33 (H200, 2026-12-02) that stage 1 took 0.978 of the
-// call of the plain 64-token bf16 stage 1; with a 4-slot ring 0.997, and at
+// folded e4m3 form only; bf16 as its fallback) at one CTA per SM, in 4 slots
+// of 33 KB (6 of 25 KB in bf16). At bs=128 E=33 (H200, 2026-12-02) that
+// stage 1, then in 6 slots of 4-block stages, took 0.978 of the call of the
+// plain 64-token bf16 stage 1; with a 4-slot ring 0.997, and at
 // two CTAs per SM (3 slots, 79 registers) 1.042. (The bf16 form at two CTAs
 // per SM with two loading warps took 1.18x the plain kernel's stage 1,
 // 2026-12-01: the bf16 64-token wide stage 1 runs only as the folded one's
-// fallback.)
+// fallback.) 48 tokens: as 64.
 template <int kTokens> struct WideTraits;
 // The wide tile's MMA, m64nNk16 for N = kTokens.
 template <int kTokens>
@@ -3759,8 +3768,9 @@ stage2_wide_kernel(
 // wide_compute_stage_folded, and the epilogue multiplies each sum by its
 // row's and token's scales. A unit with a weight row or a token that does
 // not fold sets *redo_tiles to the tile count, so that the bf16 kernel
-// launched next (the same kernel without kFolded, over *redo_tiles tiles,
-// none otherwise) computes all of stage 1 again, exactly.
+// launched after folded_fallback_kernel (the same kernel without kFolded,
+// over *redo_tiles tiles, none otherwise; it reads the bf16 rows that
+// folded_fallback_kernel writes) computes all of stage 1 again, exactly.
 template <int kTokens, bool kFolded>
 __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTokens>::kCtasPerSm1) stage1_wide_kernel(
         const uint8_t* __restrict__ gate_up_scale, const uint8_t* __restrict__ act,
