@@ -91,7 +91,9 @@ def test_spec_files_suit_the_official_parser(name, count):
     lines = (REPO / "specs" / name).read_text().splitlines()
     assert len(lines) == count
     keys = {"dhidden", "dexpert", "nroutedexperts", "nexpertspertoken", "nsharedexperts", "bs", "seed"}
-    for case in harness.parse_specs("\n".join(lines)):  # no line is skipped: none blank or '#'
+    cases = harness.parse_specs("\n".join(lines))
+    assert len(cases) == count   # no line is skipped: none blank or '#'
+    for case in cases:
         assert set(case.args) == keys
 
 
