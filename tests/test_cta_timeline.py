@@ -64,6 +64,7 @@ def test_summary_of_a_small_grid():
     assert (s["p10"], s["p50"], s["p90"]) == pytest.approx((6.0, 10.0, 10.0))
     assert s["lone"] == (pytest.approx(6.0), 1)
     assert s["shared"] == pytest.approx(6 / 26) and s["repeat"] == pytest.approx(10 / 26)
+    assert s["empty"] == (1, pytest.approx(0.1))   # tile 3: entry 0, exit 100 ns
     assert "3/4" in cta_timeline.row("bs=1 stage1", s)
 
 
@@ -71,7 +72,7 @@ def test_the_wide_kernels_have_no_tile_columns():
     ctas = [(0, 0, 0, 10_000, 0, 0, 0), (1, 0, 0, 8_000, 1, 0, 0)]   # persistent CTAs: work marked, no tile
     s = cta_timeline.summarize(ctas, launched=2, shared_expert=None)
     assert s["shared"] is None and s["repeat"] is None and s["tail"] == pytest.approx(2.0)
-    assert cta_timeline.row("bs=128 stage1_wide", s).split()[-2:] == ["-", "-"]
+    assert cta_timeline.row("bs=128 stage1_wide", s).split()[-4:] == ["-", "-", "0", "0.00"]
     assert cta_timeline.median_summary([s, s])["span"] == pytest.approx(10.0)
 
 
@@ -82,11 +83,12 @@ def test_a_kernel_with_no_work_says_so():
 
 def test_median_summary_takes_each_column_over_calls():
     a = {"ctas": "3/4", "slots": 2, "span": 10.0, "p10": 1.0, "p50": 2.0, "p90": 3.0, "lone": (4.0, 1),
-         "idle": 0.1, "tail": 1.0, "shared": 0.2, "repeat": 0.3}
-    b = dict(a, span=20.0, lone=(8.0, 3), slots=3)
-    c = dict(a, span=30.0, lone=(6.0, 2))
+         "idle": 0.1, "tail": 1.0, "shared": 0.2, "repeat": 0.3, "empty": (5, 0.5)}
+    b = dict(a, span=20.0, lone=(8.0, 3), slots=3, empty=(7, 0.9))
+    c = dict(a, span=30.0, lone=(6.0, 2), empty=(6, 0.7))
     m = cta_timeline.median_summary([a, b, c])
     assert m["span"] == 20.0 and m["lone"] == (6.0, 2) and m["ctas"] == "3/4"
+    assert m["empty"] == (6, pytest.approx(0.7))
     m = cta_timeline.median_summary([a, b])   # an even count: the slots' median 2.5 printed whole
     assert m["slots"] == 2 and "3/4" in cta_timeline.row("x", m)
 

@@ -27,6 +27,9 @@ medians over the calls of:
            tiles (the shared expert in the official shapes; narrow kernels)
   repeat   the share spent on tiles that are not their expert's first
            (the shared expert's and every crowded routed expert's; narrow)
+  empty    CTAs with no work (the narrow grids' tiles past the routing's
+           count: max_tiles is an upper bound) and the p50 of their time
+           from entry to exit, us: what they cost the slots they pass through
 
     python tools/cta_timeline.py [N ...]    benchmark shapes N (0-6; default 1 2 4)
 
@@ -202,6 +205,7 @@ def summarize(ctas, launched: int, shared_expert: Optional[int]) -> dict:
     work = [c for c in ctas if c[5] is not None]
     if not work:
         return {"ctas": f"0/{launched}"}
+    idle_ctas = [(c[3] - c[1]) / 1e3 for c in ctas if c[5] is None]
     start, end = min(c[2] for c in work), max(c[3] for c in work)
     # Running working CTAs over time, from their starts (+1) and exits (-1).
     events = sorted([(c[2], 1) for c in work] + [(c[3], -1) for c in work])
@@ -236,7 +240,8 @@ def summarize(ctas, launched: int, shared_expert: Optional[int]) -> dict:
             "p90": _percentile(durations, 0.9), "lone": (statistics.median(lone) if lone else 0.0, len(lone)),
             "idle": 1 - total / (slots * span) if slots and span else 0.0, "tail": (end - last_full) / 1e3,
             "shared": None if shared_expert is None else share(lambda c: c[5] == shared_expert),
-            "repeat": None if shared_expert is None else share(lambda c: c[0] != first_tile[c[5]])}
+            "repeat": None if shared_expert is None else share(lambda c: c[0] != first_tile[c[5]]),
+            "empty": (len(idle_ctas), statistics.median(idle_ctas) if idle_ctas else 0.0)}
 
 
 def row(label: str, s: dict) -> str:
@@ -245,11 +250,12 @@ def row(label: str, s: dict) -> str:
     percent = lambda share: "     -" if share is None else f"{100 * share:5.1f}%"  # noqa: E731
     return (f"{label:34s} {s['ctas']:>11s} {s['slots']:6d} {s['span']:8.1f} "
             f"{s['p10']:6.1f} {s['p50']:6.1f} {s['p90']:6.1f} {s['lone'][0]:6.1f} ({s['lone'][1]:4d}) "
-            f"{percent(s['idle'])} {s['tail']:6.1f} {percent(s['shared'])} {percent(s['repeat'])}")
+            f"{percent(s['idle'])} {s['tail']:6.1f} {percent(s['shared'])} {percent(s['repeat'])} "
+            f"{s['empty'][0]:6d} {s['empty'][1]:6.2f}")
 
 
 HEADER = (f"{'shape, kernel':34s} {'CTAs':>11s} {'slots':>6s} {'span':>8s} {'p10':>6s} {'p50':>6s} {'p90':>6s} "
-          f"{'lone':>6s} {'(n)':>6s} {'idle':>6s} {'tail':>6s} {'shared':>6s} {'repeat':>6s}")
+          f"{'lone':>6s} {'(n)':>6s} {'idle':>6s} {'tail':>6s} {'shared':>6s} {'repeat':>6s} {'empty':>6s} {'(us)':>6s}")
 
 
 def median_summary(summaries: list) -> dict:
@@ -260,9 +266,12 @@ def median_summary(summaries: list) -> dict:
             merged[key] = statistics.median(s[key] for s in summaries)
     if "slots" in merged:
         merged["slots"] = int(statistics.median(s["slots"] for s in summaries))
-    if "lone" in merged:
+    if "lone" in merged:   # (p50 us, count)
         merged["lone"] = (statistics.median(s["lone"][0] for s in summaries),
                           int(statistics.median(s["lone"][1] for s in summaries)))
+    if "empty" in merged:   # (count, p50 us)
+        merged["empty"] = (int(statistics.median(s["empty"][0] for s in summaries)),
+                           statistics.median(s["empty"][1] for s in summaries))
     return merged
 
 
