@@ -155,23 +155,17 @@ def test_flush_step_times_the_checkout_and_the_base_when_there(tmp_path, version
     assert expected in out.splitlines(), out
 
 
-@pytest.mark.parametrize("env, expected", [({}, "python3 tools/route_phases.py"),
-                                           ({"ROUTE_SHAPES": "2 6"}, "python3 tools/route_phases.py 2 6")])
-def test_routephases_step_runs_the_stamped_build_on_the_named_shapes(tmp_path, env, expected):
-    out = run_script(tmp_path, "ok", {}, ["routephases"], **env)
-    assert expected in out.splitlines(), out
+# The stamped-build tools' parts: (part, the variable naming its shapes, the tool).
+STAMPED_PARTS = [("routephases", "ROUTE_SHAPES", "route_phases"), ("ctatimeline", "CTA_SHAPES", "cta_timeline")]
 
 
-def test_routephases_is_not_part_of_all(tmp_path):
-    assert "route_phases" not in run_script(tmp_path, "ok", {}, [])
+@pytest.mark.parametrize("part, variable, tool", STAMPED_PARTS)
+@pytest.mark.parametrize("shapes", ["", "2 6"])
+def test_stamped_build_steps_run_on_the_named_shapes(tmp_path, part, variable, tool, shapes):
+    out = run_script(tmp_path, "ok", {}, [part], **({variable: shapes} if shapes else {}))
+    assert f"python3 tools/{tool}.py {shapes}".strip() in out.splitlines(), out
 
 
-@pytest.mark.parametrize("env, expected", [({}, "python3 tools/cta_timeline.py"),
-                                           ({"CTA_SHAPES": "2 4"}, "python3 tools/cta_timeline.py 2 4")])
-def test_ctatimeline_step_runs_the_stamped_build_on_the_named_shapes(tmp_path, env, expected):
-    out = run_script(tmp_path, "ok", {}, ["ctatimeline"], **env)
-    assert expected in out.splitlines(), out
-
-
-def test_ctatimeline_is_not_part_of_all(tmp_path):
-    assert "cta_timeline" not in run_script(tmp_path, "ok", {}, [])
+@pytest.mark.parametrize("part, variable, tool", STAMPED_PARTS)
+def test_stamped_build_steps_are_not_part_of_all(tmp_path, part, variable, tool):
+    assert tool not in run_script(tmp_path, "ok", {}, [])

@@ -38,9 +38,7 @@ apply exactly once, as tools/route_phases.py's do) and one more host
 function, moe_forward_stamped (moe_forward's arguments; returns the stamps).
 The stamps cost thread 0 of each CTA six global stores and three timer reads.
 """
-import hashlib
 import os
-import re
 import statistics
 import sys
 from typing import Optional
@@ -49,6 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import solution  # noqa: E402
+import stamped_build  # noqa: E402
 
 # Stamp slots, one per kernel form: the narrow stages, then the wide ones
 # (their e4m3 form and their bf16 redo, which runs after it in the same call).
@@ -134,11 +133,7 @@ EDITS = (
 
 def stamped_kernel_source(source: str) -> str:
     """source (solution.KERNEL_SOURCE) with EDITS; SystemExit if one does not apply exactly once."""
-    for old, new in EDITS:
-        if source.count(old) != 1:
-            raise SystemExit(f"cta_timeline: an edit matches {source.count(old)} times, not once:\n{old}")
-        source = source.replace(old, new)
-    return source
+    return stamped_build.apply_edits(source, EDITS, "cta_timeline")
 
 
 def wrapper_source(declaration: str) -> tuple:
@@ -147,8 +142,7 @@ def wrapper_source(declaration: str) -> tuple:
     ([stamps, grids]) and then cleared for the next one, stream-ordered (the
     arrays start zeroed; cleared before a call, their 19 MB would sit dirty
     in the L2 that eval.py's flush had just emptied)."""
-    params = re.search(r"moe_forward\((.*?)\);", declaration, re.S).group(1)
-    names = [p.split()[-1] for p in params.replace("\n", " ").split(",")]
+    params, arguments = stamped_build.moe_forward_signature(declaration)
     head = f"std::vector<torch::Tensor> moe_forward_stamped({params})"
     body = f"""{head} {{
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -158,7 +152,7 @@ def wrapper_source(declaration: str) -> tuple:
     MOE_CUDA_CHECK(cudaGetSymbolAddress(&grids_at, moe::moe_cta_grid));
     const size_t stamp_bytes = sizeof(unsigned long long) * {len(KERNELS)} * {CAPACITY} * {FIELDS};
     const size_t grid_bytes = sizeof(unsigned int) * {len(KERNELS)} * 3;
-    moe_forward({", ".join(names)});
+    moe_forward({arguments});
     auto stamps = torch::empty({{{len(KERNELS)}, {CAPACITY}, {FIELDS}}}, hidden_states.options().dtype(torch::kInt64));
     auto grids = torch::empty({{{len(KERNELS)}, 3}}, hidden_states.options().dtype(torch::kInt32));
     MOE_CUDA_CHECK(cudaMemcpyAsync(stamps.data_ptr(), stamps_at, stamp_bytes, cudaMemcpyDeviceToDevice, stream));
@@ -174,12 +168,8 @@ def wrapper_source(declaration: str) -> tuple:
 def build(arch: str):
     """The stamped extension, built (or loaded) in the kernel cache beside solution.py's."""
     declaration, definition = wrapper_source(solution.HOST_DECLARATION)
-    source = stamped_kernel_source(solution.KERNEL_SOURCE) + solution.HOST_SOURCE + definition
-    key = hashlib.sha256("\0".join([source, declaration, arch]).encode()).hexdigest()[:16]
-    build_dir = os.path.join(solution._cache_root(), "cta_timeline_" + key)
-    os.makedirs(build_dir, exist_ok=True)
-    return solution._load_extension(f"moe_cta_timeline_{key}", arch, build_dir, declaration=declaration,
-                                    source=source, function="moe_forward_stamped")
+    return stamped_build.build("cta_timeline", stamped_kernel_source(solution.KERNEL_SOURCE), declaration, definition,
+                               arch)
 
 
 def kernel_ctas(stamps, grid) -> list:

@@ -26,9 +26,7 @@ The stamped build is a copy with text edits (EDITS, each of which must
 apply exactly once, as tools/timing_variants.py's do) and one more host
 function, moe_forward_stamped (moe_forward's arguments; returns the stamps).
 """
-import hashlib
 import os
-import re
 import statistics
 import sys
 
@@ -36,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import solution  # noqa: E402
+import stamped_build  # noqa: E402
 
 # The stamps: clock64 after each route_pairs phase (0-5), the routing CTA's
 # globaltimer at its start and end (6, 7), the Qa CTAs' earliest start and
@@ -91,19 +90,14 @@ EDITS = (
 
 def stamped_kernel_source(source: str) -> str:
     """source (solution.KERNEL_SOURCE) with EDITS; SystemExit if one does not apply exactly once."""
-    for old, new in EDITS:
-        if source.count(old) != 1:
-            raise SystemExit(f"route_phases: an edit matches {source.count(old)} times, not once:\n{old}")
-        source = source.replace(old, new)
-    return source
+    return stamped_build.apply_edits(source, EDITS, "route_phases")
 
 
 def wrapper_source(declaration: str) -> tuple:
     """(declaration, definition) of moe_forward_stamped: moe_forward's
     parameters (from its declaration), the stamps reset before the call and
     returned after it, stream-ordered."""
-    params = re.search(r"moe_forward\((.*?)\);", declaration, re.S).group(1)
-    names = [p.split()[-1] for p in params.replace("\n", " ").split(",")]
+    params, arguments = stamped_build.moe_forward_signature(declaration)
     head = f"torch::Tensor moe_forward_stamped({params})"
     body = f"""{head} {{
     unsigned long long init[{STAMPS}] = {{}};
@@ -111,7 +105,7 @@ def wrapper_source(declaration: str) -> tuple:
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     MOE_CUDA_CHECK(cudaMemcpyToSymbolAsync(moe::moe_route_stamps, init, sizeof init, 0, cudaMemcpyHostToDevice,
                                            stream));
-    moe_forward({", ".join(names)});
+    moe_forward({arguments});
     auto stamps = torch::empty({{{STAMPS}}}, hidden_states.options().dtype(torch::kInt64));
     MOE_CUDA_CHECK(cudaMemcpyFromSymbolAsync(stamps.data_ptr(), moe::moe_route_stamps, sizeof init, 0,
                                              cudaMemcpyDeviceToDevice, stream));
@@ -124,12 +118,8 @@ def wrapper_source(declaration: str) -> tuple:
 def build(arch: str):
     """The stamped extension, built (or loaded) in the kernel cache beside solution.py's."""
     declaration, definition = wrapper_source(solution.HOST_DECLARATION)
-    source = stamped_kernel_source(solution.KERNEL_SOURCE) + solution.HOST_SOURCE + definition
-    key = hashlib.sha256("\0".join([source, declaration, arch]).encode()).hexdigest()[:16]
-    build_dir = os.path.join(solution._cache_root(), "route_phases_" + key)
-    os.makedirs(build_dir, exist_ok=True)
-    return solution._load_extension(f"moe_route_phases_{key}", arch, build_dir, declaration=declaration,
-                                    source=source, function="moe_forward_stamped")
+    return stamped_build.build("route_phases", stamped_kernel_source(solution.KERNEL_SOURCE), declaration, definition,
+                               arch)
 
 
 def phase_us(stamps: list) -> list:
