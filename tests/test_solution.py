@@ -110,27 +110,27 @@ def test_bad_inputs_are_named(index, value, pattern):
         solution.custom_kernel(with_replaced(data, index, value(data)))
 
 
-def test_non_contiguous_inputs_give_the_same_result():
-    data = to_cpu(small_input(seed=6))
-    hidden = torch.empty((data[0].shape[0], 2 * data[0].shape[1]), dtype=torch.bfloat16)[:, ::2]
+def with_strided_hidden_and_ids(data):
+    """data with its hidden states and expert ids in strided views (same values, same device)."""
+    device = data[0].device
+    hidden = torch.empty((data[0].shape[0], 2 * data[0].shape[1]), dtype=torch.bfloat16, device=device)[:, ::2]
     hidden.copy_(data[0])
-    ids = torch.empty((data[10].shape[1], data[10].shape[0]), dtype=torch.int32).T
+    ids = torch.empty((data[10].shape[1], data[10].shape[0]), dtype=torch.int32, device=device).T
     ids.copy_(data[10])
     assert not hidden.is_contiguous() and not ids.is_contiguous()
-    strided = with_replaced(with_replaced(data, 0, hidden), 10, ids)
-    assert torch.equal(solution.custom_kernel(strided), solution.custom_kernel(data))
+    return with_replaced(with_replaced(data, 0, hidden), 10, ids)
+
+
+def test_non_contiguous_inputs_give_the_same_result():
+    data = to_cpu(small_input(seed=6))
+    assert torch.equal(solution.custom_kernel(with_strided_hidden_and_ids(data)), solution.custom_kernel(data))
 
 
 @needs_cuda
 def test_non_contiguous_inputs_on_cuda():
     """Strided hidden states and ids through the CUDA dispatcher and kernels."""
     data = small_input(seed=6)
-    hidden = torch.empty((data[0].shape[0], 2 * data[0].shape[1]), dtype=torch.bfloat16, device="cuda")[:, ::2]
-    hidden.copy_(data[0])
-    ids = torch.empty((data[10].shape[1], data[10].shape[0]), dtype=torch.int32, device="cuda").T
-    ids.copy_(data[10])
-    assert not hidden.is_contiguous() and not ids.is_contiguous()
-    run_checked(with_replaced(with_replaced(data, 0, hidden), 10, ids), reference_data=data)
+    run_checked(with_strided_hidden_and_ids(data), reference_data=data)
 
 
 def misaligned_copy(tensor):
