@@ -51,7 +51,7 @@ def run_script(tmp_path, checkout, versions, parts, **env_extra):
         (bin_dir / name).chmod(0o755)
     # The script's own switches come from env_extra only, not from the caller's environment.
     env = {name: value for name, value in os.environ.items()
-           if name not in ("PYTEST_K", "BASE_PYTEST_K", "AB_TIMELINE", "AB_SHAPES")}
+           if name not in ("PYTEST_K", "BASE_PYTEST_K", "AB_TIMELINE", "AB_SHAPES", "DRAM_EXPERTS")}
     env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), **env_extra)
     run = subprocess.run(["bash", str(repo / "tools" / "device_check.sh"), *parts], capture_output=True, text=True,
                          env=env, timeout=120)
@@ -64,7 +64,7 @@ def run_ab(tmp_path, checkout, versions, **env_extra):
 
 
 @pytest.mark.parametrize("parts, builds", [(["ab"], False), (["mma"], False), (["ab", "mma"], False),
-                                           (["routephases"], False), (["ctatimeline", "ab"], False),
+                                           (["routephases"], False), (["ctatimeline", "ab"], False), (["dram"], False),
                                            (["selfbench", "ab"], True), (["tests"], True), ([], True)])
 def test_the_build_step_runs_unless_only_tools_with_their_own_builds_are_asked(tmp_path, parts, builds):
     assert ("=== build" in run_script(tmp_path, "ok", {"base.py": "ok"}, parts)) == builds
@@ -169,3 +169,14 @@ def test_stamped_build_steps_run_on_the_named_shapes(tmp_path, part, variable, t
 @pytest.mark.parametrize("part, variable, tool", STAMPED_PARTS)
 def test_stamped_build_steps_are_not_part_of_all(tmp_path, part, variable, tool):
     assert tool not in run_script(tmp_path, "ok", {}, [])
+
+
+@pytest.mark.parametrize("experts, expected", [("", ["64", "257"]), ("33", ["33"])])
+def test_dram_step_streams_each_named_expert_count(tmp_path, experts, expected):
+    out = run_script(tmp_path, "ok", {}, ["dram"], **({"DRAM_EXPERTS": experts} if experts else {}))
+    runs = [line for line in out.splitlines() if line.startswith("python3 tools/dram_pattern.py")]
+    assert runs == [f"python3 tools/dram_pattern.py --experts {n}" for n in expected], out
+
+
+def test_dram_step_is_not_part_of_all(tmp_path):
+    assert "dram_pattern" not in run_script(tmp_path, "ok", {}, [])

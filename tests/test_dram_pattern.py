@@ -19,8 +19,8 @@ COPY_INSTRUCTION = {0: "UTMALDG", 1: "UBLKCP", 2: "UBLKCP", 3: "UBLKCP", 4: "LDG
 def test_every_pattern_builds_for_sm90a_and_issues_its_copies(tmp_path):
     microbenchmarks.skip_without_nvcc_and_cuobjdump()
     returncode, report = kernel_resources.ptxas_report(str(tmp_path), dram_pattern.KERNEL_SOURCE + "".join(
-        f"template __global__ void moe::stream_kernel<{p}>(const uint8_t*, int, int, int, const __grid_constant__ "
-        f"moe::TensorMap, float*);\n" for p in range(len(dram_pattern.PATTERNS))))
+        f"template __global__ void moe::stream_kernel<{p}>(const uint8_t*, int, int, int, int, int, "
+        f"const __grid_constant__ moe::TensorMap, float*);\n" for p in range(len(dram_pattern.PATTERNS))))
     assert returncode == 0, report
     streams = [kernel for kernel in kernel_resources.ptxas_kernels(report) if "stream_kernel" in kernel[0]]
     assert len(streams) == len(dram_pattern.PATTERNS), report
@@ -36,7 +36,15 @@ def test_every_pattern_builds_for_sm90a_and_issues_its_copies(tmp_path):
 
 def test_the_tool_runs_on_sm90():
     lines = microbenchmarks.run_on_sm90(dram_pattern.__file__, "--experts", "33", "--reps", "1")
-    rows = [line.split() for line in lines[2:]]
     expected = [(dram_pattern.PATTERNS[p], str(r), str(s), str(c)) for p, r, s, c in dram_pattern.rows_to_time()]
+    rows = [line.split() for line in lines[2:2 + len(expected)]]
     assert [tuple(row[:4]) for row in rows] == expected
     assert all(float(row[5]) > 0 for row in rows)
+    # The second table: a row per (slices, grid, ring), after its title and header.
+    lifetime = [line.split() for line in lines[4 + len(expected):]]
+    expected = [(str(n), "persistent" if p else "per-unit", str(s), str(c))
+                for n, p, s, c in dram_pattern.lifetime_rows()]
+    assert [(row[0], row[2], row[3], row[4]) for row in lifetime] == expected
+    assert all(float(row[7]) > 0 for row in lifetime)
+    # 33 experts: 132 row blocks, so a CTA per unit is 132 x slices CTAs.
+    assert all(int(row[5]) == 132 * int(row[0]) for row in lifetime if row[2] == "per-unit")

@@ -2,7 +2,7 @@
 # One device call that builds the kernels, runs the GPU tests, both harnesses
 # and the self-benchmark, and prints short tables last. Logs go to $OUT.
 #
-#   tools/device_check.sh [tests|basetests|official|profile|host|flush|routephases|ctatimeline|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
+#   tools/device_check.sh [tests|basetests|official|profile|host|flush|routephases|ctatimeline|dram|sweep|ab|ncu|stalls|mma|selfbench|bench|robust|multibuild|sanitize|all]...
 #   (default: all)
 #   (tests = the GPU tests and eval.py test; PYTEST_K="EXPR" runs only the GPU tests that
 #    pytest -k EXPR selects, for a lean call; basetests = GPU tests against .ab/base.py, in a
@@ -20,6 +20,10 @@
 #    ctatimeline = when each CTA of the GEMM kernels runs: slots, CTA times, the last wave, the
 #    shared expert's and the repeated tiles' share, on the benchmark shapes CTA_SHAPES names
 #    (indices 0-6, default "1 2 4"; tools/cta_timeline.py, its own stamped build; not part of "all");
+#    dram = tools/dram_pattern.py for each expert count in DRAM_EXPERTS (default "64 257"; 64:
+#    bs=16 E=33's stage-1 bytes): the weight stream in five access patterns with no compute,
+#    then raw_2d by CTA length (K slices, a CTA per slice or persistent CTAs); its own build
+#    under a timeout, about a minute (not part of "all");
 #    sweep = every compiled GEMM config timed on every benchmark shape (not part of "all");
 #    ab = .ab/base.py (carried, git-ignored) against this checkout's solution.py and any
 #    .ab/candidate_*.py and (timed unchecked) .ab/timing_*.py, calls interleaved in one
@@ -64,10 +68,10 @@ step "device"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# Skipped when only ab, mma, routephases and ctatimeline are asked: ab's smoke step builds every
-# version at once (this checkout's too) and stops one that does not pass; the other three tools
+# Skipped when only ab, mma, routephases, ctatimeline and dram are asked: ab's smoke step builds
+# every version at once (this checkout's too) and stops one that does not pass; the other tools
 # build their own.
-if [[ -n $(printf '%s\n' $parts | grep -v -x -e ab -e mma -e routephases -e ctatimeline) ]]; then
+if [[ -n $(printf '%s\n' $parts | grep -v -x -e ab -e mma -e routephases -e ctatimeline -e dram) ]]; then
 step "build"
 # The library's path is printed too: the cache may also hold other versions' (ab).
 python3 -c "import solution, torch; backend, module = solution._backend(torch.device('cuda'))
@@ -181,6 +185,13 @@ fi
 if asked ctatimeline; then   # not part of "all"
   step "when each GEMM CTA runs (tools/cta_timeline.py)"
   python3 tools/cta_timeline.py ${CTA_SHAPES:-} 2>"$OUT/cta_timeline.err" | tee "$OUT/cta_timeline.log" || status=1
+fi
+if asked dram; then   # not part of "all"
+  for experts in ${DRAM_EXPERTS:-64 257}; do
+    step "the weight stream alone, $experts experts of 512 rows (tools/dram_pattern.py)"
+    timeout 300 python3 tools/dram_pattern.py --experts "$experts" 2>"$OUT/dram_$experts.err" \
+      | tee "$OUT/dram_$experts.log" || status=1
+  done
 fi
 if asked sweep; then
   step "config sweep"

@@ -22,7 +22,14 @@ it before the slot is refilled. The rows are 3,584 bytes apart (d_hidden
   ldg       no copy engine: every thread's 16-byte loads of contiguous
             bytes (a plain read's ceiling)
 
-Prints us and TB/s per pattern, ring depth and CTAs per SM.
+Prints us and TB/s per pattern, ring depth and CTAs per SM. A second table
+asks what a CTA's length costs (the narrow stage 1's K slices at 16 tokens):
+raw_2d with each row block's K cut into slices, either a CTA per slice (each
+pays its pipeline's fill and drain, and its SM slot waits for the next CTA)
+or persistent CTAs whose one ring runs on from slice to slice. The gap
+between the two bounds what a persistent narrow stage 1 could win.
+`--experts 64` streams bs=16 E=33's stage-1 bytes (32 experts of 1,024
+rows) in as many 128-row blocks.
 
     python tools/dram_pattern.py [--experts 257] [--reps 5]
 
@@ -39,6 +46,11 @@ import solution  # noqa: E402
 PATTERNS = ("raw_2d", "raw_1d", "shuffled", "contig", "ldg")
 RINGS = ((4, 2), (8, 2), (3, 4))   # (slots, CTAs per SM)
 RUNS = (128, 256, 512)             # raw_1d's bytes per row and stage
+# The second table: K in 1, 4 or 7 slices (28, 7 or 4 stages of a row block
+# per CTA; the 8-token stage 1 at bs=16 E=33 runs 6, in 5 slices) on the
+# 8-token stage 1's ring (4 slots, 2 CTAs an SM) and a deeper occupancy.
+LIFETIME_SLICES = (1, 4, 7)
+LIFETIME_RINGS = ((4, 2), (3, 4))
 ROWS_PER_CTA, STAGE_BYTES, ROW_BYTES = 128, 16384, 3584
 
 KERNEL_SOURCE = solution.COMMON_SOURCE + solution.GEMM_CONFIG_SOURCE + solution.GEMM_SOURCE + r"""
@@ -55,20 +67,27 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 }
 constexpr int kRowsPerCta = 128, kStageBytes = 16384, kMaxSlots = 8;
 
+// The work is units: each 128-row block's K in `slices` equal slices of
+// whole stages, unit u being slice u / row_blocks of row block u %
+// row_blocks (the slice slowest, as in stage 1's grid). CTA b streams units
+// b, b + gridDim.x, ... through one ring that runs on across its units: a
+// grid of a CTA per unit, or fewer CTAs that persist. (ldg: a CTA per whole
+// row block, the host checks.)
 template <int kPattern>
 __global__ void __launch_bounds__(256) stream_kernel(const uint8_t* __restrict__ weights, int row_bytes, int slots,
-                                                     int run, const __grid_constant__ TensorMap map, float* sink) {
+                                                     int run, int row_blocks, int slices,
+                                                     const __grid_constant__ TensorMap map, float* sink) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     __shared__ uint64_t full[kMaxSlots];
     // 128-byte swizzled boxes need 1024-byte aligned destinations.
     uint8_t* ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const int tid = threadIdx.x, lane = tid & 31;
-    const int row0 = blockIdx.x * kRowsPerCta, stages = row_bytes * kRowsPerCta / kStageBytes;
-    const uint8_t* cta_bytes = weights + (size_t)row0 * row_bytes;
+    const int unit_stages = row_bytes * kRowsPerCta / kStageBytes / slices, units = row_blocks * slices;
+    const int stages = (units - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * unit_stages;
     float acc = 0.0f;
     if constexpr (kPattern == 4) {
         // Contiguous 16-byte loads, four in flight per thread.
-        const uint4* src = reinterpret_cast<const uint4*>(cta_bytes);
+        const uint4* src = reinterpret_cast<const uint4*>(weights + (size_t)blockIdx.x * kRowsPerCta * row_bytes);
         const int count = row_bytes * kRowsPerCta / 16;
         for (int i = tid; i < count; i += 4 * 256) {
             uint4 v[4];
@@ -84,25 +103,29 @@ __global__ void __launch_bounds__(256) stream_kernel(const uint8_t* __restrict__
         }
         __syncthreads();
         // Warp 0 fills stage s's slot: lane 0 arrives expecting the bytes
-        // first, then the lanes issue the copies.
+        // first, then the lanes issue the copies. The CTA's stage s is stage
+        // k of its unit's row block (first row row0).
         auto issue = [&](int s) {
+            const int u = (int)blockIdx.x + s / unit_stages * (int)gridDim.x;
+            const int row0 = u % row_blocks * kRowsPerCta, k = u / row_blocks * unit_stages + s % unit_stages;
+            const uint8_t* cta_bytes = weights + (size_t)row0 * row_bytes;
             uint8_t* dst = ring + (s % slots) * kStageBytes;
             uint64_t* barrier = &full[s % slots];
             if (lane == 0) mbarrier_arrive_expecting(barrier, kStageBytes);
             __syncwarp();
             if constexpr (kPattern == 0) {
-                if (lane < 2) tma_load_2d(dst + lane * (kStageBytes / 2), &map, s * 128, row0 + lane * 64, barrier);
+                if (lane < 2) tma_load_2d(dst + lane * (kStageBytes / 2), &map, k * 128, row0 + lane * 64, barrier);
             } else if constexpr (kPattern == 1) {
-                // Stage s: rows of group s % groups, their K run s / groups.
+                // Stage k: rows of group k % groups, their K run k / groups.
                 const int rows = kStageBytes / run, groups = kRowsPerCta / rows;
-                const int first = s % groups * rows, offset = s / groups * run;
+                const int first = k % groups * rows, offset = k / groups * run;
                 for (int r = lane; r < rows; r += 32)
                     bulk_copy(dst + r * run, cta_bytes + (size_t)(first + r) * row_bytes + offset, run, barrier);
             } else if constexpr (kPattern == 2) {
                 if (lane < 8)
-                    bulk_copy(dst + lane * 2048, cta_bytes + (size_t)lane * 16 * row_bytes + s * 2048, 2048, barrier);
+                    bulk_copy(dst + lane * 2048, cta_bytes + (size_t)lane * 16 * row_bytes + k * 2048, 2048, barrier);
             } else {
-                if (lane == 0) bulk_copy(dst, cta_bytes + (size_t)s * kStageBytes, kStageBytes, barrier);
+                if (lane == 0) bulk_copy(dst, cta_bytes + (size_t)k * kStageBytes, kStageBytes, barrier);
             }
         };
         if (tid < 32)
@@ -132,10 +155,14 @@ HOST_SOURCE = r"""
 #include <cudaTypedefs.h>
 namespace moe {
 """ + _CHECK + _TENSOR_MAP + r"""
+// grid_ctas: the CTAs of the grid, at most one per unit (0: one per unit).
 template <int kPattern>
-void launch(const torch::Tensor& weights, int row_bytes, int slots, int run, int ctas_per_sm,
-            const torch::Tensor& sink) {
+void launch(const torch::Tensor& weights, int row_bytes, int slots, int run, int ctas_per_sm, int slices,
+            int grid_ctas, const torch::Tensor& sink) {
     const int64_t rows = weights.numel() / row_bytes;
+    const int row_blocks = (int)(rows / kRowsPerCta), units = row_blocks * slices;
+    const int ctas = grid_ctas > 0 ? std::min(grid_ctas, units) : units;
+    TORCH_CHECK(sink.numel() >= (int64_t)ctas * 256, "sink: 256 floats per CTA");
     const TensorMap map = tensor_map(weights.data_ptr(), rows, row_bytes, row_bytes, 128, 64);
     int device = 0, shared_per_sm = 0;
     MOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -144,23 +171,28 @@ void launch(const torch::Tensor& weights, int row_bytes, int slots, int run, int
     // ctas_per_sm CTAs fit (1 KB per CTA reserved, 64 B of static barriers).
     const int smem = std::max(slots * kStageBytes + 1024, shared_per_sm / ctas_per_sm - 1024 - 128);
     MOE_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<kPattern>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    stream_kernel<kPattern><<<(int)(rows / kRowsPerCta), 256, smem, c10::cuda::getCurrentCUDAStream()>>>(
-        weights.data_ptr<uint8_t>(), row_bytes, slots, run, map, sink.data_ptr<float>());
+    stream_kernel<kPattern><<<ctas, 256, smem, c10::cuda::getCurrentCUDAStream()>>>(
+        weights.data_ptr<uint8_t>(), row_bytes, slots, run, row_blocks, slices, map, sink.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace moe
 void run_stream(int64_t pattern, torch::Tensor weights, int64_t row_bytes, int64_t slots, int64_t run,
-                int64_t ctas_per_sm, torch::Tensor sink) {
+                int64_t ctas_per_sm, int64_t slices, int64_t grid_ctas, torch::Tensor sink) {
     TORCH_CHECK(slots >= 1 && slots <= moe::kMaxSlots, "slots: 1 to ", moe::kMaxSlots);
     TORCH_CHECK(run >= 128 && moe::kStageBytes % run == 0 && row_bytes % run == 0
                 && moe::kRowsPerCta % (moe::kStageBytes / run) == 0, "run: a stage of whole rows");
-    using Launch = void (*)(const torch::Tensor&, int, int, int, int, const torch::Tensor&);
+    TORCH_CHECK(slices >= 1 && row_bytes * moe::kRowsPerCta / moe::kStageBytes % slices == 0,
+                "slices: equal slices of whole stages");
+    TORCH_CHECK(pattern != 4 || (slices == 1 && grid_ctas == 0), "ldg: a CTA per row block");
+    using Launch = void (*)(const torch::Tensor&, int, int, int, int, int, int, const torch::Tensor&);
     constexpr Launch launches[] = {moe::launch<0>, moe::launch<1>, moe::launch<2>, moe::launch<3>, moe::launch<4>};
     TORCH_CHECK(pattern >= 0 && pattern < (int64_t)std::size(launches), "no pattern ", pattern);
-    launches[pattern](weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, sink);
+    launches[pattern](weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, (int)slices, (int)grid_ctas,
+                      sink);
 }
 """
-DECLARATION = "void run_stream(int64_t, torch::Tensor, int64_t, int64_t, int64_t, int64_t, torch::Tensor);"
+DECLARATION = ("void run_stream(int64_t, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, "
+               "torch::Tensor);")
 
 
 def build():
@@ -178,6 +210,31 @@ def rows_to_time():
                 yield pattern, run, slots, ctas_per_sm
 
 
+def lifetime_rows():
+    """(slices, persistent, slots, CTAs per SM) of each row of the second
+    table: raw_2d with each row block's K in slices, a CTA per slice or
+    persistent CTAs (as many as fit at once) that stream slice after slice
+    through one ring."""
+    for slices in LIFETIME_SLICES:
+        for persistent in (False, True):
+            for slots, ctas_per_sm in LIFETIME_RINGS:
+                yield slices, persistent, slots, ctas_per_sm
+
+
+def time_us(module, torch, reps, *args) -> float:
+    """Median us of `reps` event-timed run_stream(*args) after a warm-up."""
+    module.run_stream(*args)
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        module.run_stream(*args)
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, default=257, help="experts of 512 rows (stage 1 at d_expert 256)")
@@ -185,23 +242,26 @@ def main() -> int:
     args = parser.parse_args()
     module, torch = build()
     rows = args.experts * 512
+    row_blocks = rows // ROWS_PER_CTA
     weights = torch.randint(0, 256, (rows, ROW_BYTES), dtype=torch.uint8, device="cuda")
-    sink = torch.zeros(rows // ROWS_PER_CTA * 256, device="cuda")
-    print(f"{rows * ROW_BYTES / 1e6:.0f} MB in CTAs of {ROWS_PER_CTA} rows, stages of {STAGE_BYTES} bytes")
+    sink = torch.zeros(row_blocks * max(LIFETIME_SLICES) * 256, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    mb = rows * ROW_BYTES / 1e6
+    print(f"{mb:.0f} MB in CTAs of {ROWS_PER_CTA} rows, stages of {STAGE_BYTES} bytes")
     print(f"{'pattern':>9} {'run':>5} {'slots':>5} {'CTAs/SM':>7} {'us':>8} {'TB/s':>6}")
     for pattern, run, slots, ctas_per_sm in rows_to_time():
-        module.run_stream(pattern, weights, ROW_BYTES, slots, run, ctas_per_sm, sink)   # warm-up
-        times = []
-        for _ in range(args.reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            module.run_stream(pattern, weights, ROW_BYTES, slots, run, ctas_per_sm, sink)
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop) * 1e3)
-        us = sorted(times)[len(times) // 2]
-        print(f"{PATTERNS[pattern]:>9} {run:>5} {slots:>5} {ctas_per_sm:>7} {us:>8.1f} "
-              f"{rows * ROW_BYTES / us / 1e6:>6.2f}")
+        us = time_us(module, torch, args.reps, pattern, weights, ROW_BYTES, slots, run, ctas_per_sm, 1, 0, sink)
+        print(f"{PATTERNS[pattern]:>9} {run:>5} {slots:>5} {ctas_per_sm:>7} {us:>8.1f} {mb / us:>6.2f}")
+    print(f"raw_2d by CTA length: each row block's {ROW_BYTES * ROWS_PER_CTA // STAGE_BYTES} stages in slices")
+    print(f"{'slices':>6} {'stages':>6} {'grid':>10} {'slots':>5} {'CTAs/SM':>7} {'CTAs':>6} {'us':>8} {'TB/s':>6}")
+    for slices, persistent, slots, ctas_per_sm in lifetime_rows():
+        units = row_blocks * slices
+        ctas = min(units, ctas_per_sm * sms) if persistent else units
+        us = time_us(module, torch, args.reps, 0, weights, ROW_BYTES, slots, 128, ctas_per_sm, slices,
+                     ctas if persistent else 0, sink)
+        stages = ROW_BYTES * ROWS_PER_CTA // STAGE_BYTES // slices
+        print(f"{slices:>6} {stages:>6} {'persistent' if persistent else 'per-unit':>10} {slots:>5} "
+              f"{ctas_per_sm:>7} {ctas:>6} {us:>8.1f} {mb / us:>6.2f}")
     return 0
 
 
