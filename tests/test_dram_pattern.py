@@ -19,7 +19,7 @@ COPY_INSTRUCTION = {0: "UTMALDG", 1: "UBLKCP", 2: "UBLKCP", 3: "UBLKCP", 4: "LDG
 def test_every_pattern_builds_for_sm90a_and_issues_its_copies(tmp_path):
     microbenchmarks.skip_without_nvcc_and_cuobjdump()
     returncode, report = kernel_resources.ptxas_report(str(tmp_path), dram_pattern.KERNEL_SOURCE + "".join(
-        f"template __global__ void moe::stream_kernel<{p}>(const uint8_t*, int, int, int, int, int, "
+        f"template __global__ void moe::stream_kernel<{p}>(const uint8_t*, int, int, int, int, int, int, "
         f"const __grid_constant__ moe::TensorMap, float*);\n" for p in range(len(dram_pattern.PATTERNS))))
     assert returncode == 0, report
     streams = [kernel for kernel in kernel_resources.ptxas_kernels(report) if "stream_kernel" in kernel[0]]
@@ -42,8 +42,7 @@ def test_the_tool_runs_on_sm90():
     assert all(float(row[5]) > 0 for row in rows)
     # The second table: a row per (slices, grid, ring), after its title and header.
     lifetime = [line.split() for line in lines[4 + len(expected):]]
-    expected = [(str(n), "persistent" if p else "per-unit", str(s), str(c))
-                for n, p, s, c in dram_pattern.lifetime_rows()]
+    expected = [(str(n), grid, str(s), str(c)) for n, grid, s, c in dram_pattern.lifetime_rows()]
     assert [(row[0], row[2], row[3], row[4]) for row in lifetime] == expected
     assert all(float(row[7]) > 0 for row in lifetime)
     # 33 experts: 132 row blocks, so a CTA per unit is 132 x slices CTAs.

@@ -24,10 +24,12 @@ it before the slot is refilled. The rows are 3,584 bytes apart (d_hidden
 
 Prints us and TB/s per pattern, ring depth and CTAs per SM. A second table
 asks what a CTA's length costs (the narrow stage 1's K slices at 16 tokens):
-raw_2d with each row block's K cut into slices, either a CTA per slice (each
-pays its pipeline's fill and drain, and its SM slot waits for the next CTA)
-or persistent CTAs whose one ring runs on from slice to slice. The gap
-between the two bounds what a persistent narrow stage 1 could win.
+raw_2d with each row block's K cut into slices, streamed by a CTA per slice
+(each pays its pipeline's fill and drain, and its SM slot waits for the next
+CTA), by persistent CTAs that empty their ring at each slice's end (a loop
+around the kernels' per-CTA pipeline), or by persistent CTAs whose ring
+runs on from slice to slice. The gaps bound what a persistent narrow stage
+1 could win, and which of the two forms it takes.
 `--experts 64` streams bs=16 E=33's stage-1 bytes (32 experts of 1,024
 rows) in as many 128-row blocks.
 
@@ -70,12 +72,15 @@ constexpr int kRowsPerCta = 128, kStageBytes = 16384, kMaxSlots = 8;
 // The work is units: each 128-row block's K in `slices` equal slices of
 // whole stages, unit u being slice u / row_blocks of row block u %
 // row_blocks (the slice slowest, as in stage 1's grid). CTA b streams units
-// b, b + gridDim.x, ... through one ring that runs on across its units: a
-// grid of a CTA per unit, or fewer CTAs that persist. (ldg: a CTA per whole
-// row block, the host checks.)
+// b, b + gridDim.x, ...: a grid of a CTA per unit, or fewer CTAs that
+// persist, their ring running on from unit to unit or, with `drain`,
+// emptied at each unit's end (each unit's first copies issued only once its
+// predecessor's last stage is read, as a CTA that looped over the kernels'
+// whole per-unit pipeline would). (ldg: a CTA per whole row block, the host
+// checks.)
 template <int kPattern>
 __global__ void __launch_bounds__(256) stream_kernel(const uint8_t* __restrict__ weights, int row_bytes, int slots,
-                                                     int run, int row_blocks, int slices,
+                                                     int run, int row_blocks, int slices, int drain,
                                                      const __grid_constant__ TensorMap map, float* sink) {
     extern __shared__ __align__(16) uint8_t smem_raw[];
     __shared__ uint64_t full[kMaxSlots];
@@ -128,13 +133,21 @@ __global__ void __launch_bounds__(256) stream_kernel(const uint8_t* __restrict__
                 if (lane == 0) bulk_copy(dst, cta_bytes + (size_t)k * kStageBytes, kStageBytes, barrier);
             }
         };
-        if (tid < 32)
-            for (int s = 0; s < slots && s < stages; ++s) issue(s);
+        // Warp 0 issues stage `issued` once its slot's last stage (issued -
+        // slots) is read, and, with drain, every stage of the units before
+        // its own.
+        int issued = 0;
+        auto issue_ready = [&](int last_read) {
+            while (issued < stages && issued - slots <= last_read
+                   && (!drain || issued / unit_stages * unit_stages <= last_read + 1))
+                issue(issued++);
+        };
+        if (tid < 32) issue_ready(-1);
         for (int s = 0; s < stages; ++s) {
             mbarrier_wait(&full[s % slots], (s / slots) & 1);
             acc += (float)ring[(s % slots) * kStageBytes + tid * 64];
             __syncthreads();
-            if (tid < 32 && s + slots < stages) issue(s + slots);
+            if (tid < 32) issue_ready(s);
         }
     }
     sink[blockIdx.x * 256 + tid] = acc;
@@ -158,7 +171,7 @@ namespace moe {
 // grid_ctas: the CTAs of the grid, at most one per unit (0: one per unit).
 template <int kPattern>
 void launch(const torch::Tensor& weights, int row_bytes, int slots, int run, int ctas_per_sm, int slices,
-            int grid_ctas, const torch::Tensor& sink) {
+            int grid_ctas, int drain, const torch::Tensor& sink) {
     const int64_t rows = weights.numel() / row_bytes;
     const int row_blocks = (int)(rows / kRowsPerCta), units = row_blocks * slices;
     const int ctas = grid_ctas > 0 ? std::min(grid_ctas, units) : units;
@@ -172,27 +185,27 @@ void launch(const torch::Tensor& weights, int row_bytes, int slots, int run, int
     const int smem = std::max(slots * kStageBytes + 1024, shared_per_sm / ctas_per_sm - 1024 - 128);
     MOE_CUDA_CHECK(cudaFuncSetAttribute(stream_kernel<kPattern>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     stream_kernel<kPattern><<<ctas, 256, smem, c10::cuda::getCurrentCUDAStream()>>>(
-        weights.data_ptr<uint8_t>(), row_bytes, slots, run, row_blocks, slices, map, sink.data_ptr<float>());
+        weights.data_ptr<uint8_t>(), row_bytes, slots, run, row_blocks, slices, drain, map, sink.data_ptr<float>());
     MOE_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace moe
 void run_stream(int64_t pattern, torch::Tensor weights, int64_t row_bytes, int64_t slots, int64_t run,
-                int64_t ctas_per_sm, int64_t slices, int64_t grid_ctas, torch::Tensor sink) {
+                int64_t ctas_per_sm, int64_t slices, int64_t grid_ctas, int64_t drain, torch::Tensor sink) {
     TORCH_CHECK(slots >= 1 && slots <= moe::kMaxSlots, "slots: 1 to ", moe::kMaxSlots);
     TORCH_CHECK(run >= 128 && moe::kStageBytes % run == 0 && row_bytes % run == 0
                 && moe::kRowsPerCta % (moe::kStageBytes / run) == 0, "run: a stage of whole rows");
     TORCH_CHECK(slices >= 1 && row_bytes * moe::kRowsPerCta / moe::kStageBytes % slices == 0,
                 "slices: equal slices of whole stages");
     TORCH_CHECK(pattern != 4 || (slices == 1 && grid_ctas == 0), "ldg: a CTA per row block");
-    using Launch = void (*)(const torch::Tensor&, int, int, int, int, int, int, const torch::Tensor&);
+    using Launch = void (*)(const torch::Tensor&, int, int, int, int, int, int, int, const torch::Tensor&);
     constexpr Launch launches[] = {moe::launch<0>, moe::launch<1>, moe::launch<2>, moe::launch<3>, moe::launch<4>};
     TORCH_CHECK(pattern >= 0 && pattern < (int64_t)std::size(launches), "no pattern ", pattern);
     launches[pattern](weights, (int)row_bytes, (int)slots, (int)run, (int)ctas_per_sm, (int)slices, (int)grid_ctas,
-                      sink);
+                      (int)drain, sink);
 }
 """
 DECLARATION = ("void run_stream(int64_t, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, "
-               "torch::Tensor);")
+               "int64_t, torch::Tensor);")
 
 
 def build():
@@ -210,15 +223,19 @@ def rows_to_time():
                 yield pattern, run, slots, ctas_per_sm
 
 
+# The second table's grids: a CTA per unit; persistent CTAs (as many as fit
+# at once) whose ring is emptied at each unit's end; persistent CTAs whose
+# ring runs on from unit to unit.
+GRIDS = ("per-unit", "drained", "run-on")
+
+
 def lifetime_rows():
-    """(slices, persistent, slots, CTAs per SM) of each row of the second
-    table: raw_2d with each row block's K in slices, a CTA per slice or
-    persistent CTAs (as many as fit at once) that stream slice after slice
-    through one ring."""
+    """(slices, grid, slots, CTAs per SM) of each row of the second table:
+    raw_2d with each row block's K in slices, streamed as GRIDS says."""
     for slices in LIFETIME_SLICES:
-        for persistent in (False, True):
+        for grid in GRIDS:
             for slots, ctas_per_sm in LIFETIME_RINGS:
-                yield slices, persistent, slots, ctas_per_sm
+                yield slices, grid, slots, ctas_per_sm
 
 
 def time_us(module, torch, reps, *args) -> float:
@@ -250,18 +267,17 @@ def main() -> int:
     print(f"{mb:.0f} MB in CTAs of {ROWS_PER_CTA} rows, stages of {STAGE_BYTES} bytes")
     print(f"{'pattern':>9} {'run':>5} {'slots':>5} {'CTAs/SM':>7} {'us':>8} {'TB/s':>6}")
     for pattern, run, slots, ctas_per_sm in rows_to_time():
-        us = time_us(module, torch, args.reps, pattern, weights, ROW_BYTES, slots, run, ctas_per_sm, 1, 0, sink)
+        us = time_us(module, torch, args.reps, pattern, weights, ROW_BYTES, slots, run, ctas_per_sm, 1, 0, 0, sink)
         print(f"{PATTERNS[pattern]:>9} {run:>5} {slots:>5} {ctas_per_sm:>7} {us:>8.1f} {mb / us:>6.2f}")
     print(f"raw_2d by CTA length: each row block's {ROW_BYTES * ROWS_PER_CTA // STAGE_BYTES} stages in slices")
     print(f"{'slices':>6} {'stages':>6} {'grid':>10} {'slots':>5} {'CTAs/SM':>7} {'CTAs':>6} {'us':>8} {'TB/s':>6}")
-    for slices, persistent, slots, ctas_per_sm in lifetime_rows():
+    for slices, grid, slots, ctas_per_sm in lifetime_rows():
         units = row_blocks * slices
-        ctas = min(units, ctas_per_sm * sms) if persistent else units
+        ctas = units if grid == "per-unit" else min(units, ctas_per_sm * sms)
         us = time_us(module, torch, args.reps, 0, weights, ROW_BYTES, slots, 128, ctas_per_sm, slices,
-                     ctas if persistent else 0, sink)
+                     0 if grid == "per-unit" else ctas, int(grid == "drained"), sink)
         stages = ROW_BYTES * ROWS_PER_CTA // STAGE_BYTES // slices
-        print(f"{slices:>6} {stages:>6} {'persistent' if persistent else 'per-unit':>10} {slots:>5} "
-              f"{ctas_per_sm:>7} {ctas:>6} {us:>8.1f} {mb / us:>6.2f}")
+        print(f"{slices:>6} {stages:>6} {grid:>10} {slots:>5} {ctas_per_sm:>7} {ctas:>6} {us:>8.1f} {mb / us:>6.2f}")
     return 0
 
 
