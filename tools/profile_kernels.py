@@ -149,7 +149,7 @@ def per_kernel(repeats: int) -> None:
         print(f"{label}: {busy:.1f} us busy, {span:.1f} us first start to last end = {parts}", flush=True)
 
 
-SLICES = (1, 2, 3, 4, 8)   # stage 1 K slices the sweep times for the chosen config
+SLICES = (1, 2, 3, 4, 5, 6, 8)   # stage 1 K slices the sweep times for the chosen config (5: bs=16 E=33's)
 ROW_TILES = (1, 2, 4, 8)   # row tiles per stage-2 CTA the sweep times for the chosen config
 
 
