@@ -605,18 +605,24 @@ __device__ __forceinline__ Tile decode_tile(int2 entry) {
     return Tile{entry.x & ((1 << kTileRowsShift) - 1), entry.y, entry.x >> kTileRowsShift};
 }
 __device__ __forceinline__ Tile tile_at(const int2* tiles, int i) { return decode_tile(tiles[i]); }
-// The CTA's tile (blockIdx.x), false past the routing's tile count. The
-// entry is read after the count's test, a second round trip. Four forms
+// The CTA's tile (tile index `index`), false past the routing's tile count.
+// The entry is read after the count's test, a second round trip. Four forms
 // that read both in one round trip each took bs=128 E=257 1.0-1.3% longer
 // (H200): volatile reads; ld.relaxed.gpu; .nc reads with the entry's sign
 // tested beside the count; the same with the routing writing the entries
 // past its count, so that no CTA read an unwritten line (stages 1 and 2
 // both 1-3 us slower, cause unknown), for 0-0.9% at the bs=16 shapes.
-__device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles) {
-    if ((int)blockIdx.x >= *num_tiles) return false;
-    tile = tile_at(tiles, blockIdx.x);
+__device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const int* num_tiles, int index) {
+    if (index >= *num_tiles) return false;
+    tile = tile_at(tiles, index);
     return true;
 }
+// The narrow GEMMs' grids take the tile as their slowest index (stage 1:
+// column group, K slice, tile; stage 2: row group, tile), so that the CTAs
+// past the routing's tile count, which leave at once, run after every CTA
+// with work instead of between them, each holding a slot for its start and
+// exit. The grid's slowest dimension holds at most kMaxGridTiles.
+constexpr int kMaxGridTiles = 65535;
 
 // Run by one CTA (the first of route_and_quantize_kernel, 1024 threads).
 // Counts the (token, slot) pairs of each expert, writes expert_offsets[E+1],
@@ -2584,8 +2590,8 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
     return __bfloat162float(__float2bfloat16_rn(gate / (1.0f + expf(-gate)) * up));
 }
 
-// CTA (tile, blockIdx.y, blockIdx.z): intermediate columns [64*y, 64*y+64)
-// of the tile's rows over the z-th of gridDim.z slices of K
+// CTA (blockIdx.x, blockIdx.y, tile blockIdx.z): intermediate columns
+// [64*x, 64*x+64) of the tile's rows over the y-th of gridDim.y slices of K
 // (halving_slice_first_block if S::kHalvingSlices, else split_blocks scale
 // blocks each). Local weight rows 16c..16c+15 (one MMA m-tile) are the gate
 // rows of columns 8c..8c+7 and then their up rows, so each thread's
@@ -2621,21 +2627,21 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     wait_for_previous_kernel();
     let_next_kernel_launch();
     Tile tile;
-    if (!load_tile(tile, tiles, num_tiles)) return;
+    if (!load_tile(tile, tiles, num_tiles, blockIdx.z)) return;
     // Opaque to ptxas: otherwise it kept what these derive from across K to
     // rederive them in the epilogue, a spill at the 24- and 32-token
     // kernels' register caps.
     asm volatile("" : "+r"(tile.rows), "+r"(tile.expert));
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int col0 = blockIdx.y * kStage1Columns;
+    const int col0 = blockIdx.x * kStage1Columns;
     // (The e4m3 kernels' expressions as they were: the 24-token kernel, at
     // its 128-register cap, spilled with the same values written otherwise.)
-    int first_block = blockIdx.z * split_blocks;
+    int first_block = blockIdx.y * split_blocks;
     int k_blocks = min(split_blocks, (d_hidden + kScaleBlock - 1) / kScaleBlock - first_block);
     if constexpr (S::kHalvingSlices) {
         const int all_blocks = (d_hidden + kScaleBlock - 1) / kScaleBlock;
-        first_block = halving_slice_first_block(blockIdx.z, gridDim.z, all_blocks, SB);
-        k_blocks = halving_slice_first_block(blockIdx.z + 1, gridDim.z, all_blocks, SB) - first_block;
+        first_block = halving_slice_first_block(blockIdx.y, gridDim.y, all_blocks, SB);
+        k_blocks = halving_slice_first_block(blockIdx.y + 1, gridDim.y, all_blocks, SB) - first_block;
     }
     const size_t expert_rows = 2 * (size_t)d_expert_pad;
     const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2) + first_block * 16;
@@ -2701,8 +2707,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // Accumulators 0, 1: row g (gate), tokens 2t, 2t+1; 2, 3: row g+8 (up).
     const int g = lane >> 2, t = lane & 3;
     const int first_row = S::first_row(warp), first_token = S::first_token(warp);
-    if (gridDim.z > 1) {
-        float2* out = partial + (size_t)blockIdx.z * num_pairs * d_expert_pad;
+    if (gridDim.y > 1) {
+        float2* out = partial + (size_t)blockIdx.y * num_pairs * d_expert_pad;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -2998,7 +3004,7 @@ __device__ __forceinline__ void add_weighted_rows(const float* y, const Tile& ti
     }
 }
 
-// CTA (tile, blockIdx.y): output columns [128*row_tiles*y, +128*row_tiles)
+// CTA (blockIdx.x, tile blockIdx.y): output columns [128*row_tiles*x, +128*row_tiles)
 // of the tile's rows (fewer at d_hidden's end), 128 per row tile, scaled by
 // each row's routing weight and added into the fp32 accumulator. Rows are
 // transposed through shared memory so that each add covers four consecutive
@@ -3026,9 +3032,9 @@ stage2_kernel(
     wait_for_previous_kernel();
     let_next_kernel_launch();
     Tile tile;
-    if (!load_tile(tile, tiles, num_tiles)) return;
+    if (!load_tile(tile, tiles, num_tiles, blockIdx.y)) return;
     const int tid = threadIdx.x;
-    const int row0 = blockIdx.y * row_tiles * kRows;
+    const int row0 = blockIdx.x * row_tiles * kRows;
     const int cta_tiles = min(row_tiles, (d_hidden - row0 + kRows - 1) / kRows);   // at least 1 (the grid)
     const int k_blocks = (d_expert + kScaleBlock - 1) / kScaleBlock;
     const uint8_t* weight = down_weight + tile.expert * (size_t)d_hidden_pad * (d_expert_pad / 2);
@@ -4425,7 +4431,9 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     const int splits = c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks);
     const Stage1Slices slices = S::kHalvingSlices ? halving_stage1_slices(c, splits, SB) : stage1_slices(c, splits, SB);
-    launch_after_previous(stage1, dim3(t.max_tiles, c.columns1(), slices.count()),
+    TORCH_CHECK(t.max_tiles <= kMaxGridTiles, "moe_mxfp4: ", t.max_tiles, " tiles outgrow the grid's ", kMaxGridTiles,
+                " (fewer tokens per call, or a wider tile)");
+    launch_after_previous(stage1, dim3(c.columns1(), slices.count(), t.max_tiles),
         S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
         c.act.token_scales(), c.sorted_tokens, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
@@ -4454,7 +4462,9 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
             ? c.requested_row_tiles
             : stage2_row_tiles(kernel, S::kThreads, [&](int per_cta) { return shared_bytes(k_blocks, per_cta); },
                                t.estimate, grid_rows));
-        launch_after_previous(kernel, dim3(t.max_tiles, (grid_rows + row_tiles - 1) / row_tiles), S::kThreads,
+        TORCH_CHECK(t.max_tiles <= kMaxGridTiles, "moe_mxfp4: ", t.max_tiles, " tiles outgrow the grid's ",
+                    kMaxGridTiles, " (fewer tokens per call, or a wider tile)");
+        launch_after_previous(kernel, dim3((grid_rows + row_tiles - 1) / row_tiles, t.max_tiles), S::kThreads,
             shared_bytes(k_blocks, row_tiles), c.stream,
             c.down_weight.data_ptr<uint8_t>(), c.down_scale.data_ptr<uint8_t>(), c.inter.bytes(), c.inter.scales(),
             c.sorted_tokens, c.sorted_weights, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,
