@@ -98,23 +98,29 @@ _WAIT = "    wait_for_previous_kernel();\n    let_next_kernel_launch();\n"
 _STAMPED_WAIT = ("    moe_cta_begin(kStampKernel);\n    MoeCtaExit moe_cta_exit{kStampKernel};\n"
                  "    wait_for_previous_kernel();\n    moe_cta_stamp(kStampKernel, 1, moe_cta_now());\n"
                  "    let_next_kernel_launch();\n")
-_NARROW_TILE = "    Tile tile;\n    if (!load_tile(tile, tiles, num_tiles)) return;\n"
-_NARROW_WORK = (_NARROW_TILE + "    moe_cta_stamp(kStampKernel, 4, 1 + tile.expert);\n"
-                "    moe_cta_stamp(kStampKernel, 5, tile.rows);\n")
+# The narrow kernels' tile lookup (the tile index: stage 1's z, stage 2's y),
+# and the same with the tile's expert and rows stamped after it.
+def _narrow_tile(index: str) -> str:
+    return f"    Tile tile;\n    if (!load_tile(tile, tiles, num_tiles, {index})) return;\n"
+
+
+def _narrow_work(index: str) -> str:
+    return (_narrow_tile(index) + "    moe_cta_stamp(kStampKernel, 4, 1 + tile.expert);\n"
+            "    moe_cta_stamp(kStampKernel, 5, tile.rows);\n")
 
 # (old, new) text edits of solution.KERNEL_SOURCE.
 EDITS = (
     ("__device__ __forceinline__ bool load_tile(", STAMP_SOURCE + "__device__ __forceinline__ bool load_tile("),
     ("    constexpr bool kShuffledStage1 = kFolded && S::kStage1WeightBoxes > 0;\n"
-     "    extern __shared__ __align__(16) uint8_t smem[];\n" + _WAIT + _NARROW_TILE,
+     "    extern __shared__ __align__(16) uint8_t smem[];\n" + _WAIT + _narrow_tile("blockIdx.z"),
      "    constexpr bool kShuffledStage1 = kFolded && S::kStage1WeightBoxes > 0;\n"
      "    extern __shared__ __align__(16) uint8_t smem[];\n    constexpr int kStampKernel = 0;\n"
-     + _STAMPED_WAIT + _NARROW_WORK),
+     + _STAMPED_WAIT + _narrow_work("blockIdx.z")),
     ("    static_assert(!kFoldedRows || FP8, \"folded intermediate rows: e4m3 configs\");\n"
-     "    extern __shared__ __align__(16) uint8_t smem[];\n" + _WAIT + _NARROW_TILE,
+     "    extern __shared__ __align__(16) uint8_t smem[];\n" + _WAIT + _narrow_tile("blockIdx.y"),
      "    static_assert(!kFoldedRows || FP8, \"folded intermediate rows: e4m3 configs\");\n"
      "    extern __shared__ __align__(16) uint8_t smem[];\n    constexpr int kStampKernel = 1;\n"
-     + _STAMPED_WAIT + _NARROW_WORK),
+     + _STAMPED_WAIT + _narrow_work("blockIdx.y")),
     ("    __shared__ uint64_t full[kRing], empty[kRing];\n" + _WAIT
      + "    const int num_tiles = *num_wide_tiles, units = num_tiles * columns * slices;\n"
        "    if ((int)blockIdx.x >= units) return;\n",

@@ -299,12 +299,12 @@ VARIANTS = {
         "the narrow stages' CTAs (stage1_kernel, stage2_kernel) leave at once unless their tile is its expert's "
         "first: each crowded expert (the shared one's 22 tiles at bs=512 E=257, 16 at bs=128 E=257) costs "
         "one tile's consumer work; a bound on what wider tiles for crowded experts could gain",
-        [(("    if ((int)blockIdx.x >= *num_tiles) return false;\n"
-           "    tile = tile_at(tiles, blockIdx.x);\n"
+        [(("    if (index >= *num_tiles) return false;\n"
+           "    tile = tile_at(tiles, index);\n"
            "    return true;\n",
-           "    if ((int)blockIdx.x >= *num_tiles) return false;\n"
-           "    tile = tile_at(tiles, blockIdx.x);\n"
-           "    return blockIdx.x == 0 || tile_at(tiles, blockIdx.x - 1).expert != tile.expert;\n"),)]),
+           "    if (index >= *num_tiles) return false;\n"
+           "    tile = tile_at(tiles, index);\n"
+           "    return index == 0 || tile_at(tiles, index - 1).expert != tile.expert;\n"),)]),
 }
 
 
