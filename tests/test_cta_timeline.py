@@ -38,9 +38,11 @@ def test_the_device_arrays_match_the_host_sizes():
 
 def test_kernel_ctas_reads_the_launched_stamped_ctas():
     # A 2 x 2 grid: CTA 1 never stamped (entry 0), CTA 3 without work; entries past the grid are ignored.
-    stamps = [[5, 6, 9, 3, 8, 24], [0] * 6, [5, 7, 8, 4, 2, 8], [5, 7, 7, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    # The last field holds the tile's rows and, above 16 bits, its index (tiles 2 and 1 here).
+    stamps = [[5, 6, 9, 3, 8, 24 + 2 * 65536], [0] * 6, [5, 7, 8, 4, 2, 8 + 65536], [5, 7, 7, 1, 0, 0],
+              [1, 1, 1, 1, 1, 1]]
     assert cta_timeline.kernel_ctas(stamps, [2, 2, 1]) == [
-        (0, 5, 6, 9, 3, 7, 24), (0, 5, 7, 8, 4, 1, 8), (1, 5, 7, 7, 1, None, 0)]
+        (2, 5, 6, 9, 3, 7, 24), (1, 5, 7, 8, 4, 1, 8), (0, 5, 7, 7, 1, None, 0)]
     assert cta_timeline.kernel_ctas(stamps, [0, 0, 0]) == []
 
 

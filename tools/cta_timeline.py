@@ -53,7 +53,7 @@ import stamped_build  # noqa: E402
 # (their e4m3 form and their bf16 redo, which runs after it in the same call).
 KERNELS = ("stage1", "stage2", "stage1_wide", "stage1_wide_redo", "stage2_wide", "stage2_wide_redo")
 CAPACITY = 65536    # CTAs stamped per kernel (linear block index); later ones are not
-FIELDS = 6          # entry ns, go ns, exit ns, SM, 1 + expert (0: no work), tile rows
+FIELDS = 6          # entry ns, go ns, exit ns, SM, 1 + expert (0: no work), tile rows + 65536 x tile index
 
 STAMP_SOURCE = r"""
 // cta_timeline's stamps (tools/cta_timeline.py): FIELDS words per CTA.
@@ -99,14 +99,14 @@ _STAMPED_WAIT = ("    moe_cta_begin(kStampKernel);\n    MoeCtaExit moe_cta_exit{
                  "    wait_for_previous_kernel();\n    moe_cta_stamp(kStampKernel, 1, moe_cta_now());\n"
                  "    let_next_kernel_launch();\n")
 # The narrow kernels' tile lookup (the tile index: stage 1's z, stage 2's y),
-# and the same with the tile's expert and rows stamped after it.
+# and the same with the tile's expert, rows and index stamped after it.
 def _narrow_tile(index: str) -> str:
     return f"    Tile tile;\n    if (!load_tile(tile, tiles, num_tiles, {index})) return;\n"
 
 
 def _narrow_work(index: str) -> str:
     return (_narrow_tile(index) + "    moe_cta_stamp(kStampKernel, 4, 1 + tile.expert);\n"
-            "    moe_cta_stamp(kStampKernel, 5, tile.rows);\n")
+            f"    moe_cta_stamp(kStampKernel, 5, tile.rows + ((unsigned long long)({index}) << 16));\n")
 
 # (old, new) text edits of solution.KERNEL_SOURCE.
 EDITS = (
@@ -179,13 +179,14 @@ def build(arch: str):
 
 
 def kernel_ctas(stamps, grid) -> list:
-    """The CTAs one kernel stamped: (block index x, entry, go, exit, SM,
-    expert or None for no work, rows), times in ns; [] if it did not run."""
+    """The CTAs one kernel stamped: (tile index, entry, go, exit, SM,
+    expert or None for no work, rows), times in ns; [] if it did not run.
+    (The wide kernels stamp no tile: index 0, rows 0.)"""
     launched = grid[0] * grid[1] * grid[2]
     ctas = []
-    for i, (entry, go, leave, sm, expert, rows) in enumerate(stamps[:min(launched, CAPACITY)]):
+    for entry, go, leave, sm, expert, tile_rows in stamps[:min(launched, CAPACITY)]:
         if entry:
-            ctas.append((i % grid[0] if grid[0] else 0, entry, go, leave, sm, expert - 1 if expert else None, rows))
+            ctas.append((tile_rows >> 16, entry, go, leave, sm, expert - 1 if expert else None, tile_rows & 0xFFFF))
     return ctas
 
 
