@@ -4436,8 +4436,6 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     const int splits = c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks);
     const Stage1Slices slices = S::kHalvingSlices ? halving_stage1_slices(c, splits, SB) : stage1_slices(c, splits, SB);
-    TORCH_CHECK(t.max_tiles <= kMaxGridTiles, "moe_mxfp4: ", t.max_tiles, " tiles outgrow the grid's ", kMaxGridTiles,
-                " (fewer tokens per call, or a wider tile)");
     launch_after_previous(stage1, dim3(c.columns1(), slices.count(), t.max_tiles),
         S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
@@ -4467,8 +4465,6 @@ void launch_stage2(const MoeCall& c, const TileTable& t) {
             ? c.requested_row_tiles
             : stage2_row_tiles(kernel, S::kThreads, [&](int per_cta) { return shared_bytes(k_blocks, per_cta); },
                                t.estimate, grid_rows));
-        TORCH_CHECK(t.max_tiles <= kMaxGridTiles, "moe_mxfp4: ", t.max_tiles, " tiles outgrow the grid's ",
-                    kMaxGridTiles, " (fewer tokens per call, or a wider tile)");
         launch_after_previous(kernel, dim3((grid_rows + row_tiles - 1) / row_tiles, t.max_tiles), S::kThreads,
             shared_bytes(k_blocks, row_tiles), c.stream,
             c.down_weight.data_ptr<uint8_t>(), c.down_scale.data_ptr<uint8_t>(), c.inter.bytes(), c.inter.scales(),
@@ -4722,6 +4718,12 @@ torch::Tensor moe_forward(
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
     TORCH_CHECK(table_tokens < 1 << (31 - kTileRowsShift), "moe_mxfp4: tiles of ", table_tokens,
                 " rows do not fit a tile entry's row bits");
+    // The narrow launchers (launch_stage1, launch_stage2; the 64-token stage 1
+    // where Qa does not fold) give the tile a grid dimension of its own:
+    // refused here, before any kernel is queued.
+    const bool narrow_grids = wide_tile_tokens == 0 || (wide_tile_tokens == 64 && !folded);
+    TORCH_CHECK(!narrow_grids || max_tiles <= kMaxGridTiles, "moe_mxfp4: ", max_tiles, " tiles outgrow the grid's ",
+                kMaxGridTiles, " (fewer tokens per call, or a wider tile)");
     const auto route_and_quantize = per_block_order ? route_and_quantize_kernel<true, true>
                                   : folded ? route_and_quantize_kernel<false, true>
                                   : fp8    ? route_and_quantize_kernel<true, false>

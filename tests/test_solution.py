@@ -977,6 +977,25 @@ def test_stage1_slices_beyond_32_bit_offsets_raise():
 
 
 @needs_cuda
+def test_narrow_grids_past_their_tile_bound_raise_before_any_kernel():
+    """The narrow kernels' grids give the tile a dimension of its own, at most
+    65,535: 60,000 tokens of 9 pairs forced onto 8-token tiles over 9
+    experts could make 540,000 / 8 + 9 + 1 tiles, and the call raises
+    before the routing kernel is queued (the chooser takes wide tiles long
+    before such a call)."""
+    tokens = 60000
+    out = output_of_a_child_call(
+        "data = reference.generate_input(256, 256, 8, 8, 1, 8, 56)\n"
+        f"tokens = {tokens}\n"
+        "data = (torch.zeros(tokens, 256, dtype=torch.bfloat16, device='cuda'),) + data[1:9] + (\n"
+        "    torch.full((tokens, 9), 0.1, device='cuda'), torch.zeros(tokens, 9, dtype=torch.int32, device='cuda'),\n"
+        "    {**data[11], 'bs': tokens})\n"
+        "module = solution._backend(torch.device('cuda'))[1]\n",
+        "solution._run_kernels(module, data, solution.KernelConfig(8, 16, 8, 8, 4, True, True, 32))")
+    assert f"raised: moe_mxfp4: {tokens * 9 // 8 + 9 + 1} tiles outgrow the grid's 65535" in out, out
+
+
+@needs_cuda
 @pytest.mark.parametrize("config", [None, WIDE_144], ids=["chosen", "wide144"])
 def test_misaligned_weights_and_scales_give_the_same_result(config):
     data = reference.generate_input(1024, 512, 16, 4, 1, 64, 52)
