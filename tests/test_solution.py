@@ -947,6 +947,18 @@ def output_of_a_child_call(setup, call):
     return child.stdout
 
 
+def setup_of_many_tokens(tokens, d_hidden, d_expert, seed):
+    """output_of_a_child_call's setup for `data`, a call of `tokens` zero
+    tokens with 9 pairs each (8 routed experts, top-8, 1 shared; all on
+    expert 0), without drawing that many tokens' inputs, and `module`."""
+    return (f"data = reference.generate_input({d_hidden}, {d_expert}, 8, 8, 1, 8, {seed})\n"
+            f"tokens = {tokens}\n"
+            f"data = (torch.zeros(tokens, {d_hidden}, dtype=torch.bfloat16, device='cuda'),) + data[1:9] + (\n"
+            "    torch.full((tokens, 9), 0.1, device='cuda'), torch.zeros(tokens, 9, dtype=torch.int32, device='cuda'),\n"
+            "    {**data[11], 'bs': tokens})\n"
+            "module = solution._backend(torch.device('cuda'))[1]\n")
+
+
 @needs_cuda
 def test_a_check_inside_the_extension_raises_runtime_error():
     """A check inside moe_forward (a config with no kernels built) raises
@@ -965,14 +977,8 @@ def test_stage1_slices_beyond_32_bit_offsets_raise():
     them, past what an int holds, and the call raises before stage 1 is
     launched instead of writing out of bounds."""
     tokens = 2 ** 31 // (2 * 9 * 2048) + 1
-    out = output_of_a_child_call(
-        "data = reference.generate_input(1024, 2048, 8, 8, 1, 8, 55)\n"
-        f"tokens = {tokens}\n"
-        "data = (torch.zeros(tokens, 1024, dtype=torch.bfloat16, device='cuda'),) + data[1:9] + (\n"
-        "    torch.full((tokens, 9), 0.1, device='cuda'), torch.zeros(tokens, 9, dtype=torch.int32, device='cuda'),\n"
-        "    {**data[11], 'bs': tokens})\n"
-        "module = solution._backend(torch.device('cuda'))[1]\n",
-        "solution._run_kernels(module, data, stage1_splits=2)")
+    out = output_of_a_child_call(setup_of_many_tokens(tokens, 1024, 2048, 55),
+                                 "solution._run_kernels(module, data, stage1_splits=2)")
     assert f"raised: moe_mxfp4: stage 1's partial sums outgrow 32-bit offsets (2 slices of {9 * tokens} rows)" in out, out
 
 
@@ -985,12 +991,7 @@ def test_narrow_grids_past_their_tile_bound_raise_before_any_kernel():
     before such a call)."""
     tokens = 60000
     out = output_of_a_child_call(
-        "data = reference.generate_input(256, 256, 8, 8, 1, 8, 56)\n"
-        f"tokens = {tokens}\n"
-        "data = (torch.zeros(tokens, 256, dtype=torch.bfloat16, device='cuda'),) + data[1:9] + (\n"
-        "    torch.full((tokens, 9), 0.1, device='cuda'), torch.zeros(tokens, 9, dtype=torch.int32, device='cuda'),\n"
-        "    {**data[11], 'bs': tokens})\n"
-        "module = solution._backend(torch.device('cuda'))[1]\n",
+        setup_of_many_tokens(tokens, 256, 256, 56),
         "solution._run_kernels(module, data, solution.KernelConfig(8, 16, 8, 8, 4, True, True, 32))")
     assert f"raised: moe_mxfp4: {tokens * 9 // 8 + 9 + 1} tiles outgrow the grid's 65535" in out, out
 
