@@ -109,12 +109,10 @@ constexpr int kRows = 128;             // weight rows per GEMM CTA
 // The first scale block of slice z of stage 1's k_blocks in `slices` slices
 // that halve: of the K's S stages (stage_blocks each), slice z < slices - 1
 // covers stages [S - (S >> z), S - (S >> (z + 1))), the last one the rest;
-// k_blocks for z = slices. Run slice 0's CTAs first, the short slices came
-// last and filled the last wave's gaps: with equal slices a last wave of a
-// few CTAs left most SMs idle for a whole slice (272 CTAs on 264 slots at
-// bs=128 E=33). (The narrow grids now take the tile as their slowest
-// index, so a tile's slices run together; the bf16 kernels that halve run
-// on no benchmark shape here.) Every slice is non-empty while slices <=
+// k_blocks for z = slices. The grid runs slice 0's CTAs first, so the short
+// slices come last and fill the last wave's gaps: with equal slices a last
+// wave of a few CTAs left most SMs idle for a whole slice (272 CTAs on 264
+// slots at bs=128 E=33). Every slice is non-empty while slices <=
 // log2(S) + 1 (max_halving_slices).
 MOE_HD int halving_slice_first_block(int z, int slices, int k_blocks, int stage_blocks) {
     const int stages = (k_blocks + stage_blocks - 1) / stage_blocks;
@@ -625,8 +623,10 @@ __device__ __forceinline__ bool load_tile(Tile& tile, const int2* tiles, const i
 // with work instead of between them, each holding a slot for its start and
 // exit (H200: bs=128 E=257 0.984 of a call, the other narrow shapes 0.996;
 // persistent CTAs dealing the units round-robin took 1.01-1.10, having
-// given up the block scheduler's dynamic hand-out). The grid's slowest
-// dimension holds at most kMaxGridTiles.
+// given up the block scheduler's dynamic hand-out). Stage 1 with halving K
+// slices (the bf16 kernels) keeps its slices slowest, as
+// halving_slice_first_block needs: column group, tile, K slice. The grid's
+// y and z hold at most kMaxGridTiles.
 constexpr int kMaxGridTiles = 65535;
 
 // Run by one CTA (the first of route_and_quantize_kernel, 1024 threads).
@@ -2595,8 +2595,9 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
     return __bfloat162float(__float2bfloat16_rn(gate / (1.0f + expf(-gate)) * up));
 }
 
-// CTA (blockIdx.x, blockIdx.y, tile blockIdx.z): intermediate columns
-// [64*x, 64*x+64) of the tile's rows over the y-th of gridDim.y slices of K
+// CTA (column group x, K slice, tile), or (x, tile, K slice) where the
+// slices halve: intermediate columns [64*x, 64*x+64) of the tile's rows
+// over one of the grid's slices of K
 // (halving_slice_first_block if S::kHalvingSlices, else split_blocks scale
 // blocks each). Local weight rows 16c..16c+15 (one MMA m-tile) are the gate
 // rows of columns 8c..8c+7 and then their up rows, so each thread's
@@ -2632,7 +2633,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     wait_for_previous_kernel();
     let_next_kernel_launch();
     Tile tile;
-    if (!load_tile(tile, tiles, num_tiles, blockIdx.z)) return;
+    if (!load_tile(tile, tiles, num_tiles, S::kHalvingSlices ? blockIdx.y : blockIdx.z)) return;
     // Opaque to ptxas: otherwise it kept what these derive from across K to
     // rederive them in the epilogue, a spill at the 24- and 32-token
     // kernels' register caps.
@@ -2645,8 +2646,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     int k_blocks = min(split_blocks, (d_hidden + kScaleBlock - 1) / kScaleBlock - first_block);
     if constexpr (S::kHalvingSlices) {
         const int all_blocks = (d_hidden + kScaleBlock - 1) / kScaleBlock;
-        first_block = halving_slice_first_block(blockIdx.y, gridDim.y, all_blocks, SB);
-        k_blocks = halving_slice_first_block(blockIdx.y + 1, gridDim.y, all_blocks, SB) - first_block;
+        first_block = halving_slice_first_block(blockIdx.z, gridDim.z, all_blocks, SB);
+        k_blocks = halving_slice_first_block(blockIdx.z + 1, gridDim.z, all_blocks, SB) - first_block;
     }
     const size_t expert_rows = 2 * (size_t)d_expert_pad;
     const uint8_t* weight = gate_up_weight + tile.expert * expert_rows * (d_hidden_pad / 2) + first_block * 16;
@@ -2712,8 +2713,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
     // Accumulators 0, 1: row g (gate), tokens 2t, 2t+1; 2, 3: row g+8 (up).
     const int g = lane >> 2, t = lane & 3;
     const int first_row = S::first_row(warp), first_token = S::first_token(warp);
-    if (gridDim.y > 1) {
-        float2* out = partial + (size_t)blockIdx.y * num_pairs * d_expert_pad;
+    if ((S::kHalvingSlices ? gridDim.z : gridDim.y) > 1) {
+        float2* out = partial + (size_t)(S::kHalvingSlices ? blockIdx.z : blockIdx.y) * num_pairs * d_expert_pad;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -4436,7 +4437,8 @@ void launch_stage1(const MoeCall& c, const TileTable& t) {
     const int splits = c.requested_splits > 0 ? c.requested_splits
         : stage1_splits<S>(stage1, shared_bytes(k_blocks), c.columns1(), t.estimate, k_blocks);
     const Stage1Slices slices = S::kHalvingSlices ? halving_stage1_slices(c, splits, SB) : stage1_slices(c, splits, SB);
-    launch_after_previous(stage1, dim3(c.columns1(), slices.count(), t.max_tiles),
+    launch_after_previous(stage1, S::kHalvingSlices ? dim3(c.columns1(), t.max_tiles, slices.count())
+                                                    : dim3(c.columns1(), slices.count(), t.max_tiles),
         S::kThreads, shared_bytes(std::min(slices.blocks, k_blocks)), c.stream,
         c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_scale.data_ptr<uint8_t>(), c.act.bytes(), c.act.scales(),
         c.act.token_scales(), c.sorted_tokens, t.tiles, t.count, c.d_hidden, c.d_hidden_pad,

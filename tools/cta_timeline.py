@@ -98,7 +98,8 @@ _WAIT = "    wait_for_previous_kernel();\n    let_next_kernel_launch();\n"
 _STAMPED_WAIT = ("    moe_cta_begin(kStampKernel);\n    MoeCtaExit moe_cta_exit{kStampKernel};\n"
                  "    wait_for_previous_kernel();\n    moe_cta_stamp(kStampKernel, 1, moe_cta_now());\n"
                  "    let_next_kernel_launch();\n")
-# The narrow kernels' tile lookup (the tile index: stage 1's z, stage 2's y),
+# The narrow kernels' tile lookup (the tile index: stage 1's z, y where its K
+# slices halve; stage 2's y),
 # and the same with the tile's expert, rows and index stamped after it.
 def _narrow_tile(index: str) -> str:
     return f"    Tile tile;\n    if (!load_tile(tile, tiles, num_tiles, {index})) return;\n"
@@ -112,10 +113,10 @@ def _narrow_work(index: str) -> str:
 EDITS = (
     ("__device__ __forceinline__ bool load_tile(", STAMP_SOURCE + "__device__ __forceinline__ bool load_tile("),
     ("    constexpr bool kShuffledStage1 = kFolded && S::kStage1WeightBoxes > 0;\n"
-     "    extern __shared__ __align__(16) uint8_t smem[];\n" + _WAIT + _narrow_tile("blockIdx.z"),
+     "    extern __shared__ __align__(16) uint8_t smem[];\n" + _WAIT + _narrow_tile("S::kHalvingSlices ? blockIdx.y : blockIdx.z"),
      "    constexpr bool kShuffledStage1 = kFolded && S::kStage1WeightBoxes > 0;\n"
      "    extern __shared__ __align__(16) uint8_t smem[];\n    constexpr int kStampKernel = 0;\n"
-     + _STAMPED_WAIT + _narrow_work("blockIdx.z")),
+     + _STAMPED_WAIT + _narrow_work("S::kHalvingSlices ? blockIdx.y : blockIdx.z")),
     ("    static_assert(!kFoldedRows || FP8, \"folded intermediate rows: e4m3 configs\");\n"
      "    extern __shared__ __align__(16) uint8_t smem[];\n" + _WAIT + _narrow_tile("blockIdx.y"),
      "    static_assert(!kFoldedRows || FP8, \"folded intermediate rows: e4m3 configs\");\n"
