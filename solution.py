@@ -4720,11 +4720,12 @@ torch::Tensor moe_forward(
     TORCH_CHECK(n_experts <= kMaxExperts, "moe_mxfp4: at most ", kMaxExperts, " experts, got ", n_experts);
     TORCH_CHECK(table_tokens < 1 << (31 - kTileRowsShift), "moe_mxfp4: tiles of ", table_tokens,
                 " rows do not fit a tile entry's row bits");
-    // The narrow launchers (launch_stage1, launch_stage2; the 64-token stage 1
-    // where Qa does not fold) give the tile a grid dimension of its own:
-    // refused here, before any kernel is queued.
-    const bool narrow_grids = wide_tile_tokens == 0 || (wide_tile_tokens == 64 && !folded);
-    TORCH_CHECK(!narrow_grids || max_tiles <= kMaxGridTiles, "moe_mxfp4: ", max_tiles, " tiles outgrow the grid's ",
+    // Stage 1 in the narrow kernels (launch_stage1): every config without
+    // wide tiles, and the 64-token one where Qa does not fold; stage 2 is
+    // narrow only without wide tiles. The narrow launchers give the tile a
+    // grid dimension of its own: refused here, before any kernel is queued.
+    const bool narrow_stage1 = wide_tile_tokens == 0 || (wide_tile_tokens == 64 && !folded);
+    TORCH_CHECK(!narrow_stage1 || max_tiles <= kMaxGridTiles, "moe_mxfp4: ", max_tiles, " tiles outgrow the grid's ",
                 kMaxGridTiles, " (fewer tokens per call, or a wider tile)");
     const auto route_and_quantize = per_block_order ? route_and_quantize_kernel<true, true>
                                   : folded ? route_and_quantize_kernel<false, true>
@@ -4764,8 +4765,8 @@ torch::Tensor moe_forward(
         launch_wide_stage1<48>(call, wide, folded, redo_tiles);
         launch_wide_stage2<48>(call, wide, folded);
     } else {
-        if (wide_tile_tokens == 64 && folded) launch_wide_stage1<64>(call, wide, true, redo_tiles);
-        else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1) }
+        if (narrow_stage1) { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE1) }
+        else launch_wide_stage1<64>(call, wide, true, redo_tiles);
         if (wide_tile_tokens == 64) launch_wide_stage2<64>(call, wide, folded);
         else { MOE_GEMM_CONFIGS(MOE_LAUNCH_STAGE2) }
     }
