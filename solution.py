@@ -2603,7 +2603,7 @@ __device__ __forceinline__ float swiglu_bf16(float gate, float up) {
 // rows of columns 8c..8c+7 and then their up rows, so each thread's
 // accumulators hold a gate value and its up value. With one slice the CTA
 // finishes the columns (SwiGLU, Qa into inter); with several it stores its
-// fp32 (gate, up) pairs to partial[z][row][col] for swiglu_quantize_kernel.
+// fp32 (gate, up) pairs to partial[slice][row][col] for swiglu_quantize_kernel.
 // kFolded (e4m3 configs): act holds quantize_hidden_row_folded's bytes, with
 // token_scale its tokens' scales and act_scale its block scales; from
 // kFoldedStage1MinTokens tokens the weights fold too (ScalePath::kFolded),
