@@ -3576,34 +3576,23 @@ __global__ void __launch_bounds__(kFoldInterThreads) fold_inter_rows_kernel(
 // (wide_compute_stage_folded), and each sum is multiplied by its row's
 // 2^(first scale - 127) before the epilogue. Whether everything folds was
 // decided before it started (folded_fallback_kernel for the weights,
-// fold_inter_rows_kernel for the activations): if not, it sets
-// *stage2_redo to the tile count and leaves, and the bf16 kernel launched
-// next over *stage2_redo tiles does all of stage 2 (no CTA may add partial
-// sums first: the adds are atomic and final). Otherwise that kernel's CTAs
-// leave at once. The folded kernel also has epilogue warps
+// fold_inter_rows_kernel for the activations): if not, the bf16 form does
+// all of stage 2 (stage2_wide_kernel; no CTA may add partial sums first:
+// the adds are atomic and final). The folded form also has epilogue warps
 // (WideStage2::epilogue_warps): the consumers leave each row tile in y and
 // go on to the next while those warps add it into the accumulator.
 template <int kTokens, bool kFolded>
-__global__ void __launch_bounds__(WideStage2<kTokens>::threads(kFolded), WideTraits<kTokens>::kCtasPerSm)
-stage2_wide_kernel(
+__device__ __forceinline__ void stage2_wide_body(
         const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
         const float* __restrict__ sorted_weights,
         const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
         int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator,
-        int* __restrict__ stage2_redo,
-        const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map) {
+        const TensorMap& weight_map, const TensorMap& inter_map) {
     using W = WideStage2<kTokens>;
     constexpr int SB = W::kStageBlocks, kRing = W::kRing;
     constexpr int kActBytes = kFolded ? W::kActBytes / 2 : W::kActBytes;   // one-byte activations
     extern __shared__ __align__(16) uint8_t smem_base[];
     __shared__ uint64_t full[kRing], empty[kRing];
-    wait_for_previous_kernel();
-    let_next_kernel_launch();
-    if constexpr (kFolded)
-        if (*stage2_redo != 0) {   // CTA-uniform
-            if (blockIdx.x == 0 && threadIdx.x == 0) *stage2_redo = *num_wide_tiles;
-            return;
-        }
     // The CTA's row tiles: its even share (gridDim.x CTAs, items/gridDim.x
     // each, rounded up or down) of the list of every (tile, row tile) pair
     // of the routing's actual tiles, tile-major, so that CTAs cross tile
@@ -3758,6 +3747,39 @@ stage2_wide_kernel(
             named_barrier_sync(1, W::kConsumerWarps * 32);   // y is free again
         }
     }
+}
+
+// The kernel: the folded body, or the bf16 one over bf16_weights and
+// bf16_inter_map where a row did not fold (*stage2_redo, decided before
+// it started: every CTA takes the same body). Where the bf16 body wants
+// other threads (144 tokens: no epilogue warps), the folded kernel instead
+// sets *stage2_redo to the tile count and leaves, and the bf16 kernel
+// launched next runs over *stage2_redo tiles (none otherwise).
+template <int kTokens, bool kFolded>
+__global__ void __launch_bounds__(WideStage2<kTokens>::threads(kFolded), WideTraits<kTokens>::kCtasPerSm)
+stage2_wide_kernel(
+        const uint8_t* __restrict__ down_scale, const int* __restrict__ sorted_tokens,
+        const float* __restrict__ sorted_weights,
+        const int2* __restrict__ wide_tiles, const int* __restrict__ num_wide_tiles,
+        int d_hidden, int d_hidden_pad, int d_expert, int d_expert_pad, float* __restrict__ accumulator,
+        int* __restrict__ stage2_redo,
+        const __grid_constant__ TensorMap weight_map, const __grid_constant__ TensorMap inter_map,
+        const float* __restrict__ bf16_weights, const __grid_constant__ TensorMap bf16_inter_map) {
+    using W = WideStage2<kTokens>;
+    wait_for_previous_kernel();
+    let_next_kernel_launch();
+    if constexpr (kFolded)
+        if (*stage2_redo != 0) {   // CTA-uniform
+            if constexpr (W::threads(true) == W::threads(false))
+                stage2_wide_body<kTokens, false>(down_scale, sorted_tokens, bf16_weights, wide_tiles, num_wide_tiles,
+                                                 d_hidden, d_hidden_pad, d_expert, d_expert_pad, accumulator,
+                                                 weight_map, bf16_inter_map);
+            else if (blockIdx.x == 0 && threadIdx.x == 0)
+                *stage2_redo = *num_wide_tiles;
+            return;
+        }
+    stage2_wide_body<kTokens, kFolded>(down_scale, sorted_tokens, sorted_weights, wide_tiles, num_wide_tiles, d_hidden,
+                                       d_hidden_pad, d_expert, d_expert_pad, accumulator, weight_map, inter_map);
 }
 
 // Stage 1 over wide tiles: work unit (wide tile, y, z) computes what
@@ -4028,7 +4050,7 @@ MOE_INSTANTIATE_WIDE_STAGE1(144, true)
 #define MOE_INSTANTIATE_WIDE_STAGE2(N, FOLDED)                                                                 \
     template __global__ void stage2_wide_kernel<N, FOLDED>(const uint8_t*, const int*, const float*,             \
         const int2*, const int*, int, int, int, int, float*, int*, const __grid_constant__ TensorMap,          \
-        const __grid_constant__ TensorMap);
+        const __grid_constant__ TensorMap, const float*, const __grid_constant__ TensorMap);
 MOE_INSTANTIATE_WIDE_STAGE2(48, false)
 MOE_INSTANTIATE_WIDE_STAGE2(48, true)
 MOE_INSTANTIATE_WIDE_STAGE2(64, false)
@@ -4574,9 +4596,12 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
 // all measured alike), with the first lookup before the barriers' setup,
 // and slower (58) with the pairs listed row-tile-major; 51 since its adds
 // take their token lookups from before the MMAs (add_weighted_rows).
-// folded: fold_inter_rows_kernel, the e4m3 kernel over its
-// bytes, then the bf16 one over *c.stage2_redo tiles (none unless a row did
-// not fold: its CTAs then leave at once).
+// folded: fold_inter_rows_kernel, then the e4m3 kernel over its bytes,
+// which runs the bf16 form itself if a row did not fold, except at 144
+// tokens: there the bf16 kernel follows, over *c.stage2_redo tiles (none
+// unless a row did not fold: its CTAs then leave at once). A launch in the
+// chain that usually does nothing cost bs=128 E=33 about a microsecond
+// (H200: the three such links 4.7 us, 2026-12-05).
 template <int kTokens>
 void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
     using W = WideStage2<kTokens>;
@@ -4592,11 +4617,12 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
                                grid_rows);
         ctas = ((long long)std::max(t.estimate, 1) * grid_rows + row_tiles - 1) / row_tiles;
     }
+    const TensorMap bf16_acts = inter_map(c, kTokens);
     auto launch = [&](auto kernel, int threads, const float* weights, const int* num_tiles, const TensorMap& acts) {
         launch_after_previous(kernel, dim3((unsigned)ctas), threads, W::kSharedBytes, c.stream,
             c.down_scale.data_ptr<uint8_t>(), c.sorted_tokens, weights, t.tiles, num_tiles,
             c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, c.accumulator.data_ptr<float>(), c.stage2_redo,
-            down_map(c, W::kStageBlocks), acts);
+            down_map(c, W::kStageBlocks), acts, c.sorted_weights, bf16_acts);
     };
     if (folded) {
         const auto stage2_folded = stage2_wide_kernel<kTokens, true>;
@@ -4608,10 +4634,11 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
                               c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights, c.stage2_redo);
         launch(stage2_folded, W::threads(true), c.folded_weights, t.count,
                tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128, kTokens));
-        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));
+        if constexpr (W::threads(true) != W::threads(false))
+            launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, bf16_acts);
         return;
     }
-    launch(stage2, W::threads(false), c.sorted_weights, t.count, inter_map(c, kTokens));
+    launch(stage2, W::threads(false), c.sorted_weights, t.count, bf16_acts);
 }
 
 }  // namespace moe

@@ -129,12 +129,15 @@ EDITS = (
      + _STAMPED_WAIT
      + "    const int num_tiles = *num_wide_tiles, units = num_tiles * columns * slices;\n"
        "    if ((int)blockIdx.x >= units) return;\n    moe_cta_stamp(kStampKernel, 4, 1);\n"),
-    ("    __shared__ uint64_t full[kRing], empty[kRing];\n" + _WAIT + "    if constexpr (kFolded)\n"
+    # stage2_wide_kernel, then its body's working CTAs (the bf16 body run by
+    # the folded kernel, after a row that did not fold, stamps as kernel 5).
+    ("    using W = WideStage2<kTokens>;\n" + _WAIT + "    if constexpr (kFolded)\n"
      "        if (*stage2_redo != 0) {",
-     "    __shared__ uint64_t full[kRing], empty[kRing];\n    constexpr int kStampKernel = kFolded ? 4 : 5;\n"
+     "    using W = WideStage2<kTokens>;\n    constexpr int kStampKernel = kFolded ? 4 : 5;\n"
      + _STAMPED_WAIT + "    if constexpr (kFolded)\n        if (*stage2_redo != 0) {"),
     ("    if (cta_tiles <= 0) return;\n",
-     "    if (cta_tiles <= 0) return;\n    moe_cta_stamp(kStampKernel, 4, 1);\n"),
+     "    if (cta_tiles <= 0) return;\n    constexpr int kStampKernel = kFolded ? 4 : 5;\n"
+     "    moe_cta_stamp(kStampKernel, 4, 1);\n"),
 )
 
 

@@ -294,7 +294,10 @@ VARIANTS = {
            "redo_tiles);\n"),),
          (("        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));\n",
            "        if (c.d_hidden < 0) launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, "
-           "inter_map(c, kTokens));\n"),)]),
+           "inter_map(c, kTokens));\n"),
+          ("            launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, bf16_acts);\n",
+           "            if (c.d_hidden < 0) launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, "
+           "bf16_acts);\n"))]),
     "narrow_first_tiles_only": (
         "the narrow stages' CTAs (stage1_kernel, stage2_kernel) leave at once unless their tile is its expert's "
         "first: each crowded expert (the shared one's 22 tiles at bs=512 E=257, 16 at bs=128 E=257) costs "
