@@ -201,6 +201,19 @@ VARIANTS = {
            "d_hidden_pad,",
            "        if (d_hidden < 0) add_weighted_rows<kBatch>(y, tile, lookup, row0 + row_tile * kRows, d_hidden, "
            "accumulator, d_hidden_pad,"),)]),
+    "wide_s2_no_adds": (
+        "the wide stage 2 (stage2_wide_kernel, every width and form) adds nothing into the accumulator: each "
+        "row tile still goes through y and its barriers, its weighted adds (2.06 M four-float atomic adds at "
+        "bs=128 E=33) are skipped; with wide_folded_no_convert and wide_folded_no_mma, what the weight and "
+        "activation stream alone costs that stage (31 us of its 39 at bs=128 E=33, H200, 2026-12-05)",
+        [(("                add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, "
+           "d_hidden_pad,\n",
+           "                if (d_hidden < 0) add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, "
+           "accumulator, d_hidden_pad,\n"),),
+         (("            add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, d_hidden_pad, "
+           "warp,",
+           "            if (d_hidden < 0) add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, "
+           "d_hidden_pad, warp,"),)]),
     "plain_e4m3_token_scaled": (
         "the plain e4m3 per-block pass (both stages of the 8-token configs, stage 2 of every e4m3 config) "
         "rescales each block's sums by the weight row's factor alone, one FFMA, and loads no activation "
