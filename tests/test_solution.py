@@ -185,6 +185,32 @@ def test_config_chooser_needs_sm90_for_warpgroup_mmas(m, experts, d_expert):
     assert not config.wgmma and not config.fp8 and config in solution.GEMM_CONFIGS
 
 
+def test_every_benchmark_shape_runs_e4m3_mmas_on_sm90_only():
+    """The self-benchmark's floors take the fp8 MMA rate where the kernels
+    run e4m3 MMAs (issue 4's rule): on sm_90 every benchmark shape's config
+    does, elsewhere none."""
+    for bs, routed, d_expert, _, _ in solution.BENCHMARK_SHAPES:
+        experts = routed + solution.N_SHARED
+        top_k = solution.TOP_K + solution.N_SHARED
+        assert solution.runs_e4m3_mmas(solution.choose_config(bs, top_k, experts, d_expert, wgmma=True))
+        assert not solution.runs_e4m3_mmas(solution.choose_config(bs, top_k, experts, d_expert, wgmma=False))
+
+
+def test_floor_takes_the_mma_rate_the_kernels_use():
+    """A compute-bound input (4,096 tokens on three experts): its floor is
+    its FLOPs over the fp8 or the bf16 MMA rate, and a memory-bound one's
+    its weight bytes over the read bandwidth at either rate."""
+    data = reference.generate_input(512, 256, 2, 2, 1, 4096, 7)
+    flops = 2 * 4096 * 3 * 3 * 256 * 512
+    assert solution.floor_us(data, e4m3=True) == pytest.approx(flops / solution.FP8_MMA_FLOPS_PER_S * 1e6)
+    assert solution.floor_us(data, e4m3=False) == pytest.approx(flops / solution.BF16_MMA_FLOPS_PER_S * 1e6)
+    data = reference.generate_input(512, 256, 16, 2, 1, 4, 8)
+    active = torch.unique(data[10]).numel()
+    weight_bytes = active * 3 * data[11]["d_expert_pad"] * data[11]["d_hidden_pad"] * 17 / 32
+    for e4m3 in (True, False):
+        assert solution.floor_us(data, e4m3) == pytest.approx(weight_bytes / solution.READ_BYTES_PER_S * 1e6)
+
+
 def test_moe_forward_args_match_its_declaration():
     # The binding's parameters, in order, against what the dispatcher passes (on the CPU: the args are built
     # without a GPU when the config is given).
