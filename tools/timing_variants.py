@@ -295,6 +295,26 @@ VARIANTS = {
            "                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {",
            "            for (int j = 0; j < (S::kActChunks + 1) / 2; ++j)\n"
            "                if (kEveryThreadCopiesActs || tid + j * S::kThreads < S::kActCopies) {"),)]),
+    "wide_s1_no_epilogue": (
+        "stage1_wide_kernel's one-slice units end with no SwiGLU, no Qa and no store (the sums kept live; "
+        "inter is left unwritten, so read stage 1's span only): what a whole unit's epilogue costs the "
+        "consumers (d2048; every wide shape where K is one slice)",
+        [(("        // SwiGLU, then Qa per 32-column block through shared memory (as stage1_kernel).\n"
+           "#pragma unroll\n"
+           "        for (int nt = 0; nt < kTokens / 8; ++nt)\n"
+           "#pragma unroll\n"
+           "            for (int j = 0; j < 2; ++j)\n"
+           "                h[(nt * 8 + 2 * t + j) * kStage1HStride + local_col] =\n"
+           "                    unit.col0 + local_col < d_expert ? swiglu_bf16(acc[nt][j], acc[nt][2 + j]) : 0.0f;\n"
+           "        named_barrier_sync(1, W::kConsumerWarps * 32);\n"
+           "        quantize_h_rows_bf16<W::kConsumerWarps>(h, unit.tile.rows, warp, lane, unit.tile.row_start, "
+           "unit.col0,\n"
+           "                                                d_expert_pad, inter);\n"
+           "        named_barrier_sync(1, W::kConsumerWarps * 32);   // h is free again\n",
+           "#pragma unroll\n"
+           "        for (int nt = 0; nt < kTokens / 8; ++nt)\n"
+           "#pragma unroll\n"
+           "            for (int i = 0; i < 4; ++i) asm volatile(\"\" : \"+f\"(acc[nt][i]));\n"),)]),
     "no_empty_fallbacks": (
         "the wide path's three fallback kernels, which leave at once unless a fold failed (folded_fallback_kernel, "
         "the bf16 stage-1 redo, the bf16 stage-2 redo), not launched, nor the down weights' fold check with them: "
