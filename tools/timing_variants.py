@@ -341,6 +341,17 @@ VARIANTS = {
            "    if (index >= *num_tiles) return false;\n"
            "    tile = tile_at(tiles, index);\n"
            "    return index == 0 || tile_at(tiles, index - 1).expert != tile.expert;\n"),)]),
+    "narrow_shared_first_tile_only": (
+        "as narrow_first_tiles_only, for the shared expert alone (the last expert in the tile table): its "
+        "repeated tiles leave at once, crowded routed experts keep theirs; against narrow_first_tiles_only, how "
+        "much of that bound the shared expert on wide tiles (/work/notes/shared-expert-wide-sketch.md) could take",
+        [(("    if (index >= *num_tiles) return false;\n"
+           "    tile = tile_at(tiles, index);\n"
+           "    return true;\n",
+           "    if (index >= *num_tiles) return false;\n"
+           "    tile = tile_at(tiles, index);\n"
+           "    return tile.expert != tile_at(tiles, *num_tiles - 1).expert || index == 0\n"
+           "           || tile_at(tiles, index - 1).expert != tile.expert;\n"),)]),
 }
 
 
