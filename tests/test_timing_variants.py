@@ -47,6 +47,15 @@ def test_files_are_written_under_their_names(tmp_path):
     assert written.read_text() == timing_variants.apply(SOURCE, "wide_no_act_copy+wide_no_dequant")
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["wide_no_act_copy", "no_such_variant"]])
+def test_a_bad_command_line_writes_no_file(tmp_path, argv):
+    source = tmp_path / "solution.py"
+    source.write_text(SOURCE)
+    with pytest.raises(SystemExit):
+        timing_variants.main(["--source", str(source), "--out", str(tmp_path / "ab"), *argv])
+    assert not (tmp_path / "ab").exists() or not any((tmp_path / "ab").iterdir())
+
+
 def test_an_edit_takes_whichever_of_its_forms_the_source_has(monkeypatch):
     monkeypatch.setitem(timing_variants.VARIANTS, "toy", ("toy", [(("alpha", "A"), ("beta", "B"))]))
     assert timing_variants.apply("x beta y", "toy") == "x B y"

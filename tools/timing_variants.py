@@ -382,16 +382,21 @@ def main(argv):
             source_path = next(args)
         elif arg == "--out":
             out = next(args)
+        elif arg.startswith("-"):   # --help among them: a name never starts with "-"
+            raise SystemExit(__doc__)
         else:
             names.append(arg)
     if not names:
         raise SystemExit(__doc__)
     source = open(source_path).read()
+    # Every variant made before any file is written: a name that does not
+    # apply must not leave an empty timing_*.py for device_check.sh's ab to pick up.
+    variants = {name: apply(source, name) for name in names}
     os.makedirs(out, exist_ok=True)
-    for name in names:
+    for name, text in variants.items():
         path = os.path.join(out, f"timing_{name.replace('+', '_and_')}.py")
         with open(path, "w") as f:
-            f.write(apply(source, name))
+            f.write(text)
         print(path)
 
 
