@@ -5,7 +5,8 @@ activations are quantised to MXFP4 (Qa) before each expert GEMM, weights are
 MXFP4 with E8M0 block scales, and the result matches AITER's fused_moe up to
 fp32 summation order.
 
-On an NVIDIA GPU (sm_89 and newer; tested on the H200, sm_90a) it runs four
+On an NVIDIA GPU (sm_89 and newer; only sm_90a GPUs, the H100 and H200, have
+run them in tests, and a warning says so on the others) it runs four
 kernels (five when stage 1's K is split; the folded wide path below adds
 four: the fold of the intermediate rows, and three that leave at once unless
 its fallback is needed; the e4m3 configs' stage 2 on folded rows adds their
@@ -4837,7 +4838,8 @@ MAX_ACCUMULATOR_ELEMENTS = 2 ** 31 - 1
 
 def _cuda_arch(capability) -> Optional[str]:
     """TORCH_CUDA_ARCH_LIST entry for a compute capability, or None before sm_89. (The kernels
-    need only sm_80's bf16 mma.sync, but nothing older than sm_89 has been tested.)"""
+    need only sm_80's bf16 mma.sync; the CPU tests build them for sm_89 and sm_100 too, but only
+    sm_90 GPUs have run them: _cuda_backend warns on the others.)"""
     major, minor = capability
     if (major, minor) < (8, 9):
         return None
@@ -5006,13 +5008,19 @@ def _cuda_backend(capability):
     arch = _cuda_arch(capability)
     if arch is None:
         _warn_fallback(f"compute capability {capability[0]}.{capability[1]} is older than the kernels are "
-                       "tested for (8.9+)")
+                       "built for (8.9+)")
         return ("torch", None)
     try:
-        return ("cuda", _build_kernels(arch))
+        module = _build_kernels(arch)
     except Exception as error:  # a missing compiler or a compile error: say so, keep working
         _warn_fallback(f"building the CUDA kernels failed ({type(error).__name__}: {error})")
         return ("torch", None)
+    if capability[0] != 9:
+        # They build there (CPU tests), but no test has run them on such a GPU.
+        warnings.warn(f"moe_mxfp4: the CUDA kernels have been tested on sm_90 GPUs (H100, H200) only; on compute "
+                      f"capability {capability[0]}.{capability[1]} they run untested (check them against "
+                      "reference.py before relying on them).", RuntimeWarning, stacklevel=3)
+    return ("cuda", module)
 
 
 def validate_inputs(data: input_t) -> None:

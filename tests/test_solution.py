@@ -1151,9 +1151,39 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch):
         assert solution._cuda_backend((9, 0)) == ("torch", None)
 
 
-def test_gpu_older_than_tested_warns_and_falls_back():
-    with pytest.warns(RuntimeWarning, match=r"compute capability 8.0 is older than the kernels are tested for"):
+def test_gpu_older_than_built_for_warns_and_falls_back():
+    with pytest.warns(RuntimeWarning, match=r"compute capability 8.0 is older than the kernels are built for"):
         assert solution._cuda_backend((8, 0)) == ("torch", None)
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (10, 0), (12, 0)])
+def test_gpu_no_test_has_run_on_warns_and_keeps_the_kernels(monkeypatch, capability):
+    """Only sm_90 GPUs have run the kernels: on other archs they still run
+    (they build there, test_kernel_source_builds_for_other_dispatch_archs),
+    after a warning that says they are untested."""
+    monkeypatch.setattr(solution, "_build_kernels", lambda arch: ("built for", arch))
+    with pytest.warns(RuntimeWarning, match=rf"tested on sm_90 GPUs \(H100, H200\) only; on compute capability "
+                                            rf"{capability[0]}\.{capability[1]} they run untested"):
+        assert solution._cuda_backend(capability) == ("cuda", ("built for", solution._cuda_arch(capability)))
+
+
+def test_sm90_builds_the_kernels_without_a_warning(monkeypatch, recwarn):
+    monkeypatch.setattr(solution, "_build_kernels", lambda arch: ("built for", arch))
+    assert solution._cuda_backend((9, 0)) == ("cuda", ("built for", "9.0a"))
+    assert not [w for w in recwarn if "moe_mxfp4" in str(w.message)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_kernel_source_builds_for_other_dispatch_archs(tmp_path):
+    """Dispatch builds the kernels for any sm_89+ GPU (_cuda_arch), yet the
+    build tests above are sm_90a's: the device code must also compile where
+    its Hopper paths are guarded out (sm_89) and for the newest arch nvcc
+    here offers that dispatch would pick (sm_100)."""
+    (tmp_path / "kernels.cu").write_text(solution.KERNEL_SOURCE)
+    build = subprocess.run(["nvcc", "-std=c++17", "-O1", "-gencode=arch=compute_89,code=sm_89",
+                            "-gencode=arch=compute_100,code=sm_100", "-c", str(tmp_path / "kernels.cu"),
+                            "-o", str(tmp_path / "kernels.o")], capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout + build.stderr
 
 
 def test_cpu_tensors_take_the_torch_path_without_a_warning():
