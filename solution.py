@@ -3271,6 +3271,9 @@ struct WideStage2 : WideLayout<kTokens> {
     static constexpr __host__ __device__ int threads(bool folded) {
         return (L::kConsumerWarps + 1 + epilogue_warps(folded)) * 32;
     }
+    // Whether the folded kernel runs the bf16 body itself when a row did not
+    // fold (both bodies want the same threads), or a second launch does.
+    static constexpr bool kRedoesInKernel = threads(true) == threads(false);
     static constexpr int kEpilogueBytes = kTokens * kStage2YStride * (int)sizeof(float);
     // Dynamic shared memory is 16-byte aligned; the stages need 1024.
     static constexpr int kSharedBytes = kRing * L::kStageBytes + kEpilogueBytes + 1024 - 16;
@@ -3771,7 +3774,7 @@ stage2_wide_kernel(
     let_next_kernel_launch();
     if constexpr (kFolded)
         if (*stage2_redo != 0) {   // CTA-uniform
-            if constexpr (W::threads(true) == W::threads(false))
+            if constexpr (W::kRedoesInKernel)
                 stage2_wide_body<kTokens, false>(down_scale, sorted_tokens, bf16_weights, wide_tiles, num_wide_tiles,
                                                  d_hidden, d_hidden_pad, d_expert, d_expert_pad, accumulator,
                                                  weight_map, bf16_inter_map);
@@ -4635,7 +4638,7 @@ void launch_wide_stage2(const MoeCall& c, const TileTable& t, bool folded) {
                               c.k_blocks2(), c.sorted_weights, c.inter_folded, c.folded_weights, c.stage2_redo);
         launch(stage2_folded, W::threads(true), c.folded_weights, t.count,
                tensor_map(c.inter_folded, c.num_pairs, c.k_blocks2() * kScaleBlock, c.d_expert_pad, 128, kTokens));
-        if constexpr (W::threads(true) != W::threads(false))
+        if constexpr (!W::kRedoesInKernel)
             launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, bf16_acts);
         return;
     }
