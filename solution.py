@@ -1198,6 +1198,20 @@ __device__ __forceinline__ void tma_load_weights_2d(void* dst, const TensorMap* 
     __trap();
 #endif
 }
+// The same for a box of a three-dimensional map (shuffled_weight_map).
+__device__ __forceinline__ void tma_load_weights_3d(void* dst, const TensorMap* map, int x, int y, int z,
+                                                    uint64_t* barrier) {
+#ifdef MOE_HAS_WGMMA
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+                 "[%0], [%1, {%2, %3, %4}], [%5], %6;\n"
+                 :: "r"(smem_addr(dst)), "l"(map), "r"(x), "r"(y), "r"(z), "r"(smem_addr(barrier)), "l"(policy)
+                 : "memory");
+#else
+    __trap();
+#endif
+}
 // Stage 1's K-slice partial sums (fp32 (gate, up) pairs), stored
 // L2-evict-last: the weights streaming past then push them out (and their
 // write-backs compete with the weights' reads) only after the L2's other
@@ -3240,10 +3254,13 @@ template <> struct WideTraits<48> {
 // scale blocks of K (4, or 8 in the folded stage 1) for kRows weight rows
 // and kTokens tokens, the activations' region sized for values of
 // kActValueBytes (2: bf16; the folded stage 2's E4M3 bytes use half).
-template <int kTokens_, int kStageBlocks_ = 4, int kActValueBytes = 2>
+// kShuffledWeights: the weights lie as AITER's shuffled copy holds them
+// (shuffled_weight_offset), else in swizzled rows.
+template <int kTokens_, int kStageBlocks_ = 4, int kActValueBytes = 2, bool kShuffled = false>
 struct WideLayout : WideTraits<kTokens_> {
     static constexpr int kTokens = kTokens_;
     static constexpr int kStageBlocks = kStageBlocks_, kConsumerWarps = 8;
+    static constexpr bool kShuffledWeights = kShuffled;
     static constexpr int kActBytes = kTokens * kStageBlocks * kScaleBlock * kActValueBytes;
     static constexpr int kWeightBytes = kRows * kStageBlocks * 16;
     static constexpr int kScaleBytes = kRows * kStageBlocks;
@@ -3253,7 +3270,8 @@ struct WideLayout : WideTraits<kTokens_> {
         return swizzled_act_offset<kTokens>(token, chunk);
     }
     static __device__ __forceinline__ int weight_offset(int row, int chunk) {
-        return swizzled_weight_offset<kStageBlocks>(row, chunk);
+        return kShuffled ? shuffled_weight_offset<kStageBlocks>(row, chunk)
+                         : swizzled_weight_offset<kStageBlocks>(row, chunk);
     }
 };
 template <int kTokens>
@@ -3285,10 +3303,15 @@ struct WideStage2 : WideLayout<kTokens> {
 // so that each stage's fixed work (the slot's waits and arrivals, a
 // thread's copy addresses) is spread over twice the MMAs: the loaders'
 // loop cost about 0.2% of stage 1 per instruction a stage (H200,
-// 2026-12-03).
+// 2026-12-03); and the weights from the shuffled copy, whose stage is 2 KB
+// runs instead of 128-byte runs 3.5 KB apart. At bs=128 E=33 the wide
+// stage 1 was its weight stream (40.8 us from L2 against 61.8 from HBM
+// with neither fold nor MMAs; H100, 2026-12-05), and those runs streamed
+// 4.0 against 3.5 TB/s (tools/dram_pattern.py, H200). The bf16 kernel (a
+// fallback) keeps the raw rows.
 template <int kTokens, bool kFolded = false>
-struct WideStage1 : WideLayout<kTokens, kFolded ? 8 : 4, kFolded ? 1 : 2> {
-    using L = WideLayout<kTokens, kFolded ? 8 : 4, kFolded ? 1 : 2>;
+struct WideStage1 : WideLayout<kTokens, kFolded ? 8 : 4, kFolded ? 1 : 2, kFolded> {
+    using L = WideLayout<kTokens, kFolded ? 8 : 4, kFolded ? 1 : 2, kFolded>;
     static constexpr int kRing = kFolded ? L::kRing1Folded : L::kRing1, kProducerWarps = L::kProducerWarps1;
     static constexpr int kThreads = (L::kConsumerWarps + kProducerWarps) * 32;
     static constexpr int kEpilogueBytes = kTokens * kStage1HStride * (int)sizeof(float);
@@ -3344,11 +3367,13 @@ __device__ __forceinline__ void wide_stage_blocks(const uint8_t* base, uint64_t*
     constexpr int SB = W::kStageBlocks;
     // Blocks bp, bp + 1 (bp even): chunk bp ^ (the first pair's), as the
     // swizzle XORs only a row's chunk bits (below SB * 16 bytes,
-    // W::kWeightOffset a multiple of them).
+    // W::kWeightOffset a multiple of them); in the shuffled layout, bp
+    // chunks of 256 bytes on.
     static_assert((SB == 4 || SB == 8) && W::kWeightOffset % (SB * 16) == 0,
                   "a pair's chunks one XOR from the first pair's");
     auto load_words = [&](uint32_t (&words)[4], int bp) {
-        ldmatrix_x4(words, base + (offsets.words ^ (uint32_t)(bp << 4)));
+        ldmatrix_x4(words, base + (W::kShuffledWeights ? offsets.words + (uint32_t)(bp << 8)
+                                                       : offsets.words ^ (uint32_t)(bp << 4)));
     };
     uint32_t w[4];
     load_words(w, 0);
@@ -3924,11 +3949,16 @@ __global__ void __launch_bounds__(WideStage1<kTokens>::kThreads, WideTraits<kTok
                     // Whole boxes: past the GEMM's K the map reads zeros.
                     mbarrier_arrive_expecting(&full[slot], W::kWeightBytes);
 #pragma unroll
-                    for (int i = 0; i < 2; ++i)
-                        tma_load_weights_2d(base + W::kWeightOffset + i * (kRows / 2) * (SB * 16), &weight_map,
-                                            (unit.first_block + block0) * 16,
-                                            unit.tile.expert * expert_rows + unit.col0 + i * d_expert_pad,
-                                            &full[slot]);
+                    for (int i = 0; i < 2; ++i) {
+                        const int row = unit.tile.expert * expert_rows + unit.col0 + i * d_expert_pad;
+                        uint8_t* box = base + W::kWeightOffset + i * (kRows / 2) * (SB * 16);
+                        if constexpr (W::kShuffledWeights)   // 16-row groups (col0, d_expert_pad: multiples of 16)
+                            tma_load_weights_3d(box, &weight_map, 0, unit.first_block + block0, row / 16,
+                                                &full[slot]);
+                        else
+                            tma_load_weights_2d(box, &weight_map, (unit.first_block + block0) * 16, row,
+                                                &full[slot]);
+                    }
                 }
                 const uint32_t copied = chunk / (kChunks / SB) < valid_blocks ? valid_tokens : 0u;
                 const size_t k_offset = (size_t)block0 * (kScaleBlock * kActValueBytes);
@@ -4417,13 +4447,13 @@ void launch_swiglu_quantize(const MoeCall& c, const Stage1Slices& slices) {
     else
         launch_form(std::false_type{});
 }
-// Every expert's gate and up rows, in boxes of half a CTA's rows: the wide
-// stage 1's, and the plain (per-block) stage1_kernel's, on the raw rows.
+// Every expert's gate and up rows, in boxes of half a CTA's rows: the bf16
+// wide stage 1's, and the plain (per-block) stage1_kernel's, on the raw rows.
 TensorMap gate_up_map(const MoeCall& c, int stage_blocks) {
     return tensor_map(c.gate_up_weight.data_ptr<uint8_t>(), c.gate_up_weight.size(0) * c.gate_up_weight.size(1),
                       c.k_blocks1() * 16, c.d_hidden_pad / 2, stage_blocks * 16, kRows / 2);
 }
-// The folded stage1_kernel's (kShuffledStage1): the shuffled copy, boxes of 64 rows.
+// The folded stage1_kernel's (kShuffledStage1) and the folded wide stage 1's: the shuffled copy, boxes of 64 rows.
 TensorMap gate_up_shuffled_map(const MoeCall& c, int stage_blocks) {
     return shuffled_weight_map(c.gate_up_weight_shuffled.data_ptr<uint8_t>(),
                                c.gate_up_weight.size(0) * c.gate_up_weight.size(1) / 16, c.k_blocks1(),
@@ -4563,25 +4593,26 @@ void launch_wide_stage1(const MoeCall& c, const TileTable& t, bool folded, int* 
     const long long units = (long long)t.max_tiles * c.columns1() * n_slices;
     const long long slots = (long long)ctas_per_sm(stage1, W::kThreads, W::kSharedBytes) * sm_count();
     const dim3 grid((unsigned)std::max(1LL, std::min(units, slots)));
-    auto launch = [&](auto kernel, int shared_bytes, int stage_blocks, const uint8_t* act, const float* token_scale,
-                      const int* num_tiles) {
+    auto launch = [&](auto kernel, int shared_bytes, const TensorMap& weight_map, const uint8_t* act,
+                      const float* token_scale, const int* num_tiles) {
         launch_after_previous(kernel, grid, W::kThreads, shared_bytes, c.stream,
             c.gate_up_scale.data_ptr<uint8_t>(), act, token_scale, c.sorted_tokens, t.tiles,
             num_tiles, c.d_hidden, c.d_hidden_pad, c.d_expert, c.d_expert_pad, slices.blocks, c.columns1(),
-            n_slices, c.inter.bytes(), slices.partial_ptr(), c.num_pairs, redo_tiles, gate_up_map(c, stage_blocks));
+            n_slices, c.inter.bytes(), slices.partial_ptr(), c.num_pairs, redo_tiles, weight_map);
     };
     if (folded) {
         TORCH_CHECK(ctas_per_sm(stage1_folded, W::kThreads, kFoldedSharedBytes) * sm_count() == slots,
                     "moe_mxfp4: the folded wide stage 1 must fit the bf16 one's CTAs");
-        launch(stage1_folded, kFoldedSharedBytes, F::kStageBlocks, c.act.bytes(), c.act.token_scales(), t.count);
+        launch(stage1_folded, kFoldedSharedBytes, gate_up_shuffled_map(c, F::kStageBlocks), c.act.bytes(),
+               c.act.token_scales(), t.count);
         // One CTA per SM: each fits beside an e4m3 CTA, to wait there for the flag.
         launch_after_previous(folded_fallback_kernel, dim3(sm_count()), kFallbackThreads, 0, c.stream,
                               c.hidden, c.tokens, c.d_hidden, c.d_hidden_pad, redo_tiles, c.act.fallback_bytes(),
                               c.down_scale.data_ptr<uint8_t>(), c.n_experts, c.d_expert_pad, c.k_blocks2(),
                               c.stage2_redo);
-        launch(stage1, W::kSharedBytes, W::kStageBlocks, c.act.fallback_bytes(), nullptr, redo_tiles);
+        launch(stage1, W::kSharedBytes, gate_up_map(c, W::kStageBlocks), c.act.fallback_bytes(), nullptr, redo_tiles);
     } else {
-        launch(stage1, W::kSharedBytes, W::kStageBlocks, c.act.bytes(), nullptr, t.count);
+        launch(stage1, W::kSharedBytes, gate_up_map(c, W::kStageBlocks), c.act.bytes(), nullptr, t.count);
     }
     launch_swiglu_quantize<false>(c, slices);
 }

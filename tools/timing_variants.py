@@ -169,8 +169,10 @@ VARIANTS = {
     "wide_weights_from_l2": (
         "stage1_wide_kernel's loaders read every stage's weights from its unit's first K blocks, so that after "
         "a unit's first stage they come from L2, not HBM: what the weight stream's HBM access pattern costs",
-        [(("                                    (unit.first_block + block0) * 16,",
-           "                                    unit.first_block * 16,"),)]),
+        [(("tma_load_weights_2d(box, &weight_map, (unit.first_block + block0) * 16, row,",
+           "tma_load_weights_2d(box, &weight_map, unit.first_block * 16, row,"),),
+         (("tma_load_weights_3d(box, &weight_map, 0, unit.first_block + block0, row / 16,",
+           "tma_load_weights_3d(box, &weight_map, 0, unit.first_block, row / 16,"),)]),
     "no_qa": (
         "the first kernel's Qa CTAs return at once (stale activations, an accumulator not zeroed): "
         "its time is then the routing CTA's",
@@ -322,9 +324,10 @@ VARIANTS = {
         [(("        launch_after_previous(folded_fallback_kernel, dim3(sm_count()), kFallbackThreads, 0, c.stream,\n",
            "        if (c.d_hidden < 0) launch_after_previous(folded_fallback_kernel, dim3(sm_count()), kFallbackThreads, "
            "0, c.stream,\n"),),
-         (("        launch(stage1, W::kSharedBytes, W::kStageBlocks, c.act.fallback_bytes(), nullptr, redo_tiles);\n",
-           "        if (c.d_hidden < 0) launch(stage1, W::kSharedBytes, W::kStageBlocks, c.act.fallback_bytes(), nullptr, "
-           "redo_tiles);\n"),),
+         (("        launch(stage1, W::kSharedBytes, gate_up_map(c, W::kStageBlocks), c.act.fallback_bytes(), nullptr, "
+           "redo_tiles);\n",
+           "        if (c.d_hidden < 0) launch(stage1, W::kSharedBytes, gate_up_map(c, W::kStageBlocks), "
+           "c.act.fallback_bytes(), nullptr, redo_tiles);\n"),),
          (("        launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, inter_map(c, kTokens));\n",
            "        if (c.d_hidden < 0) launch(stage2, W::threads(false), c.sorted_weights, c.stage2_redo, "
            "inter_map(c, kTokens));\n"),
