@@ -773,7 +773,7 @@ GEMM_CONFIGS = (KernelConfig(8, 16, 8, 8, 4, False), KernelConfig(16, 16, 16, 8,
                 KernelConfig(64, 16, 64, 4, 4, True),
                 *(KernelConfig(64, 16, 64, 4, 4, True, False, 0, tokens) for tokens in WIDE_TILE_TOKENS),
                 KernelConfig(8, 16, 8, 8, 4, True, True, 32), KernelConfig(16, 16, 16, 8, 3, True, True),
-                KernelConfig(24, 16, 24, 8, 3, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
+                KernelConfig(24, 16, 24, 8, 4, True, True), KernelConfig(32, 16, 32, 8, 3, True, True))
 # Every e4m3 config's stage 1 has a folded form (stage1_kernel's kFolded),
 # on activations Qa folds per token. From 16 tokens the weights fold too
 # (one accumulating MMA per block); at 8 tokens that stage loop had as many
@@ -2052,7 +2052,8 @@ __device__ __forceinline__ bool gemm_mainloop(
 #pragma unroll
                     for (int i = 0; i < 4; ++i) w[mt][i] = next[mt][i];
         }
-        wgmma_wait<0>();   // the stage's slot is refilled once every thread has computed it
+        if constexpr (!(kPath == ScalePath::kFolded && !kMbarriers && kRing >= 4))
+            wgmma_wait<0>();   // the stage's slot is refilled once every thread has computed it
     };
 
     auto compute_stage = [&](int slot, bool wide, bool first_stage) {
@@ -2110,7 +2111,8 @@ __device__ __forceinline__ bool gemm_mainloop(
     // n_stages slots.
     static_assert(kRing <= S::kStages, "pipeline ring");
     static_assert(!kMbarriers || (S::kFp8 && kRing > 2), "mbarrier pipeline: e4m3 configs, 3 or more slots");
-    constexpr int kAhead = S::kAsyncStages || kMbarriers ? kRing - 2 : kRing - 1;
+    constexpr bool kFoldedAsync = kPath == ScalePath::kFolded && !kMbarriers && kRing >= 4;
+    constexpr int kAhead = S::kAsyncStages || kMbarriers || kFoldedAsync ? kRing - 2 : kRing - 1;
     static_assert(kAhead >= 1, "pipeline depth");
     if constexpr (kMbarriers || kTma) {
         if (tid == 0)
@@ -2703,7 +2705,7 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         int act_offset = first_block * kScaleBlock * S::kActValueBytes;
         asm volatile("" : "+r"(act_offset));
         // The folded form's boxes come from the shuffled copy (kShuffledStage1).
-        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4, decltype(path)::value, S::kStage1WeightBoxes,
+        return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4 && S::kTokens != 24, decltype(path)::value, S::kStage1WeightBoxes,
                              kShuffledStage1, false, kFoldedWeights, false>(
             acc, smem, weight, scale, weight_row_of, act + act_offset,
             act_scale + first_block, token_of, boxes, nullptr, d_hidden_pad, k_blocks, 1, 0, nullptr,
@@ -4996,7 +4998,7 @@ def choose_config(m: int, top_k: int, n_experts: int, d_expert: int, wgmma: bool
         return (KernelConfig(8, 16, 8, 8, 4, True, True, 32, token_scaled=m * top_k >= TOKEN_SCALED_MIN_PAIRS)
                 if wgmma else KernelConfig(8, 16, 8, 8, 4, False))
     if wgmma and 16 < tokens_per_expert <= 24:
-        return KernelConfig(24, 16, 24, 8, 3, True, True)
+        return KernelConfig(24, 16, 24, 8, 4, True, True)
     if wgmma and 24 < tokens_per_expert <= 28:
         return KernelConfig(32, 16, 32, 8, 3, True, True)
     if tokens_per_expert <= 20:
