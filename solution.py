@@ -1570,6 +1570,12 @@ __device__ __forceinline__ bool gemm_mainloop(
                   || (S::kFp8 && !kFoldedBytes), "the token-scaled pass: e4m3 configs on bytes in the per-block order");
     constexpr bool kVoting = kPath == ScalePath::kVote || kPath == ScalePath::kVoteTokenScaled;
     static_assert(kPath != ScalePath::kFolded || !kRowTileLoop, "kFolded's window test: one row tile");
+    // The folded pass over 4 or more slots with a CTA barrier per stage (the
+    // 24-token stage 1, which stage1_kernel keeps off mbarriers): a stage's
+    // MMAs are left running, as the bf16 warpgroup MMAs' are (kAhead below),
+    // instead of drained at its end (bs=512 E=257 0.986 of a call against
+    // mbarriers over 3 slots, H100, 2026-12-05).
+    constexpr bool kFoldedAsync = kPath == ScalePath::kFolded && !kMbarriers && kRing >= 4;
     // The passes that read the activations' block scales (the folded ones
     // apply the tokens' scales after K, in stage1_kernel).
     constexpr bool kActScales = kPath != ScalePath::kFolded && kPath != ScalePath::kTokenScaled;
@@ -2052,7 +2058,7 @@ __device__ __forceinline__ bool gemm_mainloop(
 #pragma unroll
                     for (int i = 0; i < 4; ++i) w[mt][i] = next[mt][i];
         }
-        if constexpr (!(kPath == ScalePath::kFolded && !kMbarriers && kRing >= 4))
+        if constexpr (!kFoldedAsync)
             wgmma_wait<0>();   // the stage's slot is refilled once every thread has computed it
     };
 
@@ -2111,7 +2117,6 @@ __device__ __forceinline__ bool gemm_mainloop(
     // n_stages slots.
     static_assert(kRing <= S::kStages, "pipeline ring");
     static_assert(!kMbarriers || (S::kFp8 && kRing > 2), "mbarrier pipeline: e4m3 configs, 3 or more slots");
-    constexpr bool kFoldedAsync = kPath == ScalePath::kFolded && !kMbarriers && kRing >= 4;
     constexpr int kAhead = S::kAsyncStages || kMbarriers || kFoldedAsync ? kRing - 2 : kRing - 1;
     static_assert(kAhead >= 1, "pipeline depth");
     if constexpr (kMbarriers || kTma) {
@@ -2705,6 +2710,8 @@ __global__ void __launch_bounds__(GemmShape<NT, MT, WT, SB, STAGES, WG, FP8>::kT
         int act_offset = first_block * kScaleBlock * S::kActValueBytes;
         asm volatile("" : "+r"(act_offset));
         // The folded form's boxes come from the shuffled copy (kShuffledStage1).
+        // Mbarriers for the e4m3 configs of 4 or more stages but the 24-token
+        // one, whose ring runs the folded pass's CTA-barrier form (kFoldedAsync).
         return gemm_mainloop<S, S::kStages, S::kFp8 && S::kStages >= 4 && S::kTokens != 24, decltype(path)::value, S::kStage1WeightBoxes,
                              kShuffledStage1, false, kFoldedWeights, false>(
             acc, smem, weight, scale, weight_row_of, act + act_offset,
