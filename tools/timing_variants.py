@@ -216,6 +216,13 @@ VARIANTS = {
            "warp,",
            "            if (d_hidden < 0) add_weighted_rows<4>(y, tile, lookup, row_of(row_tile), d_hidden, accumulator, "
            "d_hidden_pad, warp,"),)]),
+    "s2_plain_stores": (
+        "every stage 2's weighted adds (add_weighted_rows, plain and wide kernels) store their four floats "
+        "instead of adding them atomically: the same addresses and bytes with no read-modify-write in L2; "
+        "against wide_s2_no_adds, how much of what the adds cost is the atomics (wide_s2_no_adds saved "
+        "21 us of stage 2's 76 at d512 and 37 of 230 at d2048, H100, 2026-12-05)",
+        [(("    atomicAdd(reinterpret_cast<float4*>(dst), v);",
+           "    *reinterpret_cast<float4*>(dst) = v;"),)]),
     "plain_e4m3_token_scaled": (
         "the plain e4m3 per-block pass (both stages of the 8-token configs, stage 2 of every e4m3 config) "
         "rescales each block's sums by the weight row's factor alone, one FFMA, and loads no activation "
